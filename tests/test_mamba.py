@@ -263,15 +263,20 @@ def test_full_recompute_keeps_only_block_inputs():
     assert term.bytes == 4 * 128 * 256 * 2
 
 
-def test_planner_refuses_hybrid_models(capsys):
+def test_planner_plans_hybrid_models_and_refuses_their_mtp_depths(capsys):
+    # memguard plan takes hybrid patterns (planner/hybrid.py; tests/test_planner_hybrid.py); MTP depths after '/' it
+    # refuses by name
     from megatron_memguard.cli.main import main
     from megatron_memguard.planner.space import model_shape
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
     L = _layout("M*M-")
-    with pytest.raises(NotModelledError, match="--hybrid-layer-pattern"):
-        model_shape(L, None)
-    # memguard plan says so before its TP-1 probe (the recipe's TP communication overlap needs SP there)
-    assert main(["plan", "--model", "nemotronh_8b", "--gpus", "8", "--gpu", "h100-80gb"]) == 2
-    assert "planning layouts of hybrid Mamba models is not modelled" in capsys.readouterr().err
+    shape = model_shape(L, parse_megatron_flags([]))
+    assert shape.kinds_in(0, 4) == (2, 1, 1) and [k.mixer for k in shape.kind_set] == ["mamba", "attention", "none"]
+    assert main(["plan", "--model", "nemotronh_8b", "--gpus", "8", "--gpu", "h100-80gb"]) == 0
+    capsys.readouterr()
+    L = _layout("M*M-/M-", "--mtp-num-layers 1")
+    with pytest.raises(NotModelledError, match="--mtp-num-layers"):
+        model_shape(L, parse_megatron_flags([]))
 
 
 def test_nemotron_h_8b_bridge_recipe_preset():

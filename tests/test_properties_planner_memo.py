@@ -6,7 +6,8 @@ layouts). Here the memos are filled with every candidate in enumeration order, t
 terms and bounds are compared with a TimeModel built for it alone.
 
 Drawn: dense models, MoE with dense-first --moe-layer-freq lists or an every-other-layer frequency, MTP depths, gated
-delta net layers (--linear-attention-freq), multi-latent attention, FP8 in the config or searched (--fp8), Megatron-FSDP,
+delta net layers (--linear-attention-freq), multi-latent attention, hybrid Mamba patterns (with MoE 'E' layers) and
+heterogeneous layer configs, FP8 in the config or searched (--fp8), Megatron-FSDP,
 8 to 32 GPUs, uneven and interleaved pipeline splits (their layouts and account flags)."""
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def jobs(draw, mixer: str, moe: bool):
     """(model flags, GPUs, sequence length, global batch size, constraints) of a model with the token mixer
     ``mixer`` (gqa, mla or gdn), with experts or not."""
     # (the first of each list is what hypothesis tries first: the richer choice, where keys have most to miss)
+    if mixer in ("hybrid", "het"):
+        return draw(mixed_jobs(mixer, moe))
     layers = draw(st.sampled_from([12, 13, 8, 16, 4, 6, 10]))
     # (a small vocabulary lets the first stage's activations, not the last stage's logits, set the bound)
     vocab = draw(st.sampled_from([4096, 32000]))
@@ -79,6 +82,51 @@ def jobs(draw, mixer: str, moe: bool):
     return f, gpus, seq, gbs, cons
 
 
+HET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "heterogeneous")
+
+
+@st.composite
+def mixed_jobs(draw, mixer: str, moe: bool):
+    """A hybrid Mamba model (a pattern of M, *, - and, with experts, E layers) or a heterogeneous layer config (the
+    test configs of tests/data/heterogeneous: own FFN widths, no-op and linear blocks, own query groups)."""
+    base = ("--hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 --kv-channels 64 "
+            "--max-position-embeddings 8192 --bf16 --normalization RMSNorm --disable-bias-linear "
+            "--untie-embeddings-and-output-weights --tokenizer-type NullTokenizer").split()
+    if mixer == "hybrid":
+        unit = draw(st.sampled_from(["M-M*", "ME*E" if moe else "M*-M", "MM-*"]))
+        layers = draw(st.sampled_from([12, 13, 8, 6]))
+        pattern = (unit * layers)[:layers]
+        if "|" not in pattern and draw(st.booleans()):
+            pattern = pattern[:layers // 2] + "|" + pattern[layers // 2:]     # the planner drops the segments
+        f = base + ["--squared-relu", "--ffn-hidden-size", "1408", "--position-embedding-type", "none",
+                    "--hybrid-override-pattern", pattern, "--num-layers", str(len(pattern.replace("|", ""))),
+                    "--mamba-num-heads", "16", "--mamba-num-groups", "4", "--vocab-size",
+                    str(draw(st.sampled_from([4096, 32000])))]
+        if moe:
+            f += ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+                  "--moe-token-dispatcher-type", draw(st.sampled_from(["alltoall", "allgather"]))]
+    else:
+        if moe:
+            reject()            # (the test configs have no MoE blocks)
+        blocks = draw(st.sampled_from(["small_blocks.json", "linear_blocks.json", "top_mlp_only.json",
+                                       "own_query_groups.json"]))
+        f = base + ["--num-layers", "4", "--ffn-hidden-size", "1024", "--swiglu", "--position-embedding-type", "rope",
+                    "--use-rope-scaling", "--use-rotary-position-embeddings", "--rotary-base", "500000",
+                    "--hidden-dropout", "0", "--attention-dropout", "0", "--vocab-size", "1024",
+                    "--heterogeneous-layers-config-path", os.path.join(HET_DIR, blocks)]
+    if draw(st.booleans()):
+        f += ["--fp8-format", "hybrid"]
+    gpus = draw(st.sampled_from([8] if moe else [8, 16]))
+    seq = draw(st.sampled_from([2048, 4096]))
+    gbs = draw(st.sampled_from([32, 64]))
+    cons = Constraints(
+        mbs=(1, 2), recompute=draw(st.sampled_from([("none", "selective", "full"), ("full",)])),
+        fsdp=draw(st.sampled_from([("optim_grads",), ()])),
+        fp8=draw(st.sampled_from([(None, "off", "tensorwise"), (None,)])),
+        allow_ep_across_nodes=draw(st.booleans()))
+    return f, gpus, seq, gbs, cons
+
+
 def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= 1e-12 * max(abs(x), abs(y)) for x, y in zip(a, b))
 
@@ -86,6 +134,12 @@ def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("mixer", ["gqa", "mla", "gdn"])
 def test_memoised_step_terms_and_bounds_equal_a_fresh_computation(mixer, moe):
+    _check_memos(mixer, moe)
+
+
+@pytest.mark.parametrize("mixer, moe", [("hybrid", False), ("hybrid", True), ("het", False)],
+                         ids=["hybrid", "hybrid-moe", "heterogeneous"])
+def test_memoised_step_terms_and_bounds_equal_a_fresh_computation_for_mixed_layers(mixer, moe):
     _check_memos(mixer, moe)
 
 
@@ -152,6 +206,8 @@ def _check_job(job) -> None:
         new = TimeModel(s, p.cluster, gbs, tp_overlap=tm.tp_overlap)
         if key[0] == "moe":
             assert new.moe_layer(*key[1:]) == lc, key
+        elif key[0] == "kind":                 # one layer of a hybrid / heterogeneous model's kinds
+            assert new.kind_cost(*key[1:]) == lc, key
         else:
             assert new.layer_cost(*key[:5], mlp=len(key) == 5) == lc, key
     for key, lg in tm.gdn_cost.items():

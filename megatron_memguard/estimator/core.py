@@ -721,10 +721,18 @@ def _mixed_replays(per_kind: list[tuple[LayerActivations, int]], k: int, ckpt_in
     has run; an MoE layer's block keeps it: _kept_above)."""
     layers = [la for la, n in per_kind for _ in range(n)]
     blocks = [layers[start:start + k] for start in range(0, len(layers), k)]
+    # _kept_above(blocks[i + 1:]) for every i from suffix sums (a 10,000-layer hybrid chunk checkpointed layer by
+    # layer made the pairs quadratic: a minute per estimate): the block right above adds 0 or -ckpt_input, each
+    # higher one out or -ckpt_input
+    keeps = [any(_keeps_replay_graph(la) for la in block) for block in blocks]
+    higher = [0] * (len(blocks) + 1)
+    for j in range(len(blocks) - 1, -1, -1):
+        higher[j] = higher[j + 1] + (out if keeps[j] else -ckpt_input)
     best = None
     for i, block in enumerate(blocks):
-        above = blocks[i + 1:]
-        v = _replay(block, ckpt_input, out, out if above else top_grad) + _kept_above(above, ckpt_input, out)
+        above = i + 1 < len(blocks)
+        kept = ((0 if keeps[i + 1] else -ckpt_input) + higher[i + 2]) if above else 0
+        v = _replay(block, ckpt_input, out, out if above else top_grad) + kept
         best = v if best is None else max(best, v)
     return best or 0
 

@@ -36,8 +36,8 @@ from .space import Candidate, ModelShape
 def stage_factor_bytes(shape: ModelShape, c: Candidate, stage: int,
                        moe_layers_on: Callable[[Candidate, int], int] | None = None) -> int:
     """SOAP's preconditioners of the stage's layers on one rank before DP sharding (0 for other optimizers)."""
-    if shape.optimizer != "soap" or shape.gdn_pattern:
-        return 0      # (GDN layers: their factors are left out, which keeps the bound a bound)
+    if shape.optimizer != "soap" or shape.gdn_pattern or shape.kinds:
+        return 0      # (GDN layers, layers of several kinds: their factors are left out, which keeps the bound a bound)
     n_moe = moe_layers_on(c, stage) if moe_layers_on is not None else 0
     return ((c.stage_layers[stage] - n_moe) * shape.soap_factor_bytes(c.tp)
             + n_moe * shape.soap_factor_bytes(c.tp, moe_layer=True))
@@ -89,6 +89,8 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True, re
     if recompute == "full":
         return T * h * e                      # the checkpointed input of each layer (uniform, 1 layer)
     mods = set(shape.recompute_modules) if recompute == "selective" else set()
+    if shape.kinds:
+        return _mixed_layer_bytes(shape, c, mlp, mods, seq, T)
     kind = uniform_kind(shape.layout)
     kept = 2 * T * h * e                      # residual stream kept by the two norms
     if shape.layout.peft is not None:
@@ -119,6 +121,33 @@ def layer_activation_bytes(shape: ModelShape, c: Candidate, mlp: bool = True, re
             if "moe_act" not in mods:
                 kept += rows * f_e * e * q
     return kept
+
+
+def _mixed_layer_bytes(shape: ModelShape, c: Candidate, mlp: bool, mods: set, seq: int, T: int) -> float:
+    """layer_activation_bytes of a model whose layers differ in kind (hybrid, heterogeneous): the lightest of its
+    kinds (``mlp=False``: of its MoE layers, else of the others), so that every layer of a stage keeps at least
+    that. A kind keeps the residual stream at the norm of each half it has (a hybrid layer has one, a no-op block
+    none) and what its mixer's and MLP's recipes surely keep; an MoE block is bounded below by its router's input."""
+    from ..partition import MIXER_NONE, MLP_MOE, MLP_NONE
+    e, h = shape.act_bytes, shape.hidden
+    quant = c.fp8 not in (None, "off") or (c.fp8 is None and shape.layout.fp8_spec.enabled)
+    q = 0.25 if quant else 1
+    peft = shape.layout.peft is not None
+    out = None
+    for kind in shape.kind_set:
+        if (kind.mlp == MLP_MOE) == mlp:
+            continue
+        halves = (kind.mixer != MIXER_NONE) + (kind.mlp != MLP_NONE)
+        kept = halves * T * h * e
+        if not peft:       # (LoRA / DoRA: the residual stream is what is sure, as above)
+            mix, dense = shape.kind_activation_bound(kind, c.tp, c.mbs, seq, c.sp, mods)
+            kept += mix * q
+            if kind.mlp == MLP_MOE:
+                kept += 0 if "layernorm" in mods else T * h * e * q
+            else:
+                kept += dense * q
+        out = kept if out is None else min(out, kept)
+    return out or 0
 
 
 # (candidate, mlp, recompute) -> layer_activation_bytes of that candidate (a caller's memo of it)

@@ -201,11 +201,22 @@ def render_explanation(planner: Planner, xs: list[Explanation] | Explanation) ->
         out.append(tie)
     out.append("")
     mm = s.matmul_params() + s.vocab * s.hidden
-    out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul weights "
-               f"+ 12 x {s.num_layers - s.gdn_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} "
-               f"attention" + (f" + {s.gdn_layers} gated delta net layers' delta-rule kernels (forward and backward, "
-                               "linear in the sequence)" if s.gdn_layers else "")
-               + f"; peak {cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
+    if s.kinds:
+        from .hybrid import kind_name
+        kinds = ", ".join(f"{n} {kind_name(k)}" for k, n in zip(s.kind_set, s.kinds_in(0, s.num_layers)))
+        mixers = {k.mixer for k in s.kind_set}
+        scans = " / ".join(x for m, x in (("mamba", "the Mamba layers' SSD scans"), ("gdn", "the GDN layers' delta-rule "
+                                          "kernels")) if m in mixers)
+        out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul "
+                   f"weights + 12 x {s.heads * (s.qk_dim + s.v_dim) // 2} x {s.seq_length} per attention layer"
+                   + (f" + {scans} (forward and backward, linear in the sequence)" if scans else "")
+                   + f"; layers: {kinds}; peak {cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
+    else:
+        out.append(f"model FLOPs {a.time.model_flops_per_token / 1e9:,.2f} GFLOP/token = 6 x {mm / 1e9:,.3f}B matmul "
+                   f"weights + 12 x {s.num_layers - s.gdn_layers} layers x {s.heads * (s.qk_dim + s.v_dim) // 2} x "
+                   f"{s.seq_length} attention" + (f" + {s.gdn_layers} gated delta net layers' delta-rule kernels "
+                                                  "(forward and backward, linear in the sequence)" if s.gdn_layers else "")
+                   + f"; peak {cl.gpu.bf16_flops / 1e12:,.0f} TFLOP/s")
     for tag, x in zip(names, xs):
         t, est = x.time, x.estimate
         mem = est.gpu_memory_bytes

@@ -191,10 +191,15 @@ class Planner:
             self.notes.append("the planner chooses " + ", ".join(ignored) + " itself; the model config's values are "
                               "ignored (constrain them with --tp/--pp/--cp/--vpp/--mbs/--no-recompute/--dist-opt)")
         for dest in ("hybrid_layer_pattern", "hybrid_override_pattern"):
-            if raw.args.get(dest):
-                # before the probe, whose TP 1 may break the config's own rules first (model_shape says it too)
-                from ..errors import NotModelledError
-                raise NotModelledError(raw.key(dest), "planning layouts of hybrid Mamba models")
+            text = raw.args.get(dest)
+            if isinstance(text, str) and "|" in text.split("/")[0] and text.split("/")[0].replace("|", ""):
+                # the '|' segments fix PP and VPP (validate_args): the planner splits the pattern itself, as
+                # select_pipeline_segment does without them (even, or first / last stage sizes; megatron-core 0.19.2
+                # models/hybrid/hybrid_layer_allocation.py; 0.16.1 MambaStack._select_layers_for_pipeline_parallel)
+                raw = raw.with_args(**{dest: text.replace("|", "")})
+                self.raw = raw
+                self.notes.append(f"{raw.key(dest)}: its '|' pipeline segments are left out; the planner chooses the "
+                                  "pipeline split (even, or first / last stage sizes; no virtual stages)")
         # Probe: the model alone (TP=PP=CP=1, one GPU) gives the shape and reports model errors once.
         probe = Candidate(1, 1, 1, 1, None, None, False, 1, "none", True, 1, 1, ())
         probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))
@@ -206,6 +211,13 @@ class Planner:
             # the EP overlap needs EP > 1 (TransformerConfig.__post_init__), which the one-GPU probe has not; it
             # changes no shape, and each candidate resolves with it (those with EP 1 break the rule and are dropped)
             probe_raw = probe_raw.with_args(overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False)
+        v = raw.args.get("tp_comm_overlap")
+        # (only a true value: anything else reaches the probe, whose rule names it)
+        tp_comm_overlap = v.strip().lower() in ("true", "1", "yes", "on") if isinstance(v, str) else v is True or v == 1
+        if tp_comm_overlap:
+            # TP communication overlap needs SP (validate_args), which the probe's TP 1 has not; it changes no shape,
+            # and each candidate resolves with it (those with TP 1 or without SP break the rule and are dropped)
+            probe_raw = probe_raw.with_args(tp_comm_overlap=False)
         try:
             self.probe = resolve(probe_raw, world_size=1, megatron_version=megatron_version, vocab_size=vocab_size)
         except (ConfigError, ConfigErrors):
@@ -236,7 +248,7 @@ class Planner:
         elif self.probe.attention_backend in ("unfused", "local"):
             self.notes.append(f"--attention-backend {self.probe.attention_backend}: context parallelism is left out "
                               "(only Transformer Engine's flash and fused attention implement it)")
-        if self.probe.tp_comm_overlap:
+        if self.probe.tp_comm_overlap or tp_comm_overlap:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
         self.timer = TimeModel(self.shape, cluster, self.gbs, tp_overlap=tp_overlap)
         self._bounds: dict[tuple, float] = {}

@@ -110,6 +110,9 @@ class ModelShape:
     moe: MoeShape | None = None    # mixture of experts (planner/moe.py); None: every layer dense
     # --num-distributed-optimizer-instances as configured (the probe, one GPU, resolves with 1; HSDP)
     instances: int = 1
+    # hybrid / heterogeneous models: every layer's kind (partition.layer_kinds, the FP8 recipe left out: the candidate
+    # sets it); () when the layers are alike, or differ only in MoE / GDN (the fields above say how)
+    kinds: tuple = ()
     _per_tp: dict = field(default_factory=dict, compare=False, repr=False)   # memo of per-TP counts
 
     # ---- the model shape, under the planner's names --------------------------------------------
@@ -329,6 +332,8 @@ class ModelShape:
         """Weights a token multiplies in all the layers: the dense layers', and in an MoE layer the
         attention, router, top-k experts and shared expert; a GDN layer's in_proj / out_proj instead of
         linear_qkv / linear_proj."""
+        if self.kinds:
+            return sum(n * self.kind_matmul_params(k) for k, n in zip(self.kind_set, self.kinds_in(0, self.num_layers)))
         gdn = self.gdn_layers * (self.gdn_layer_matmul_params() - self.layer_matmul_params())
         if not self.moe:
             return self.num_layers * self.layer_matmul_params() + gdn
@@ -340,8 +345,9 @@ class ModelShape:
     # ---- gated delta net layers (--linear-attention-freq) ------------------------------------------
     @property
     def gdn_pattern(self) -> str:
-        """One character per layer, '1' a GDN layer, '0' standard attention; "" without GDN layers."""
-        return self.layout.linear_attention_pattern or ""
+        """One character per layer, '1' a GDN layer, '0' standard attention; "" without GDN layers (and for a
+        hybrid model, whose 'G' layers are one of its kinds)."""
+        return "" if self.kinds else (self.layout.linear_attention_pattern or "")
 
     @property
     def gdn_layers(self) -> int:
@@ -375,6 +381,57 @@ class ModelShape:
         from ..estimator.layers import mixer_recipe
         return mixer_recipe(self._gdn_kind).bound_saved(self.layout, tp, b, seq, sp, mods)
 
+    # ---- layers of several kinds (hybrid Mamba models, heterogeneous layer configs; planner/hybrid.py) ----
+    @property
+    def kind_set(self) -> tuple:
+        """The distinct kinds of :attr:`kinds`, in the order they first appear."""
+        hit = self._per_tp.get("kind_set")
+        if hit is None:
+            hit = self._per_tp["kind_set"] = tuple(dict.fromkeys(self.kinds))
+        return hit
+
+    def kinds_in(self, first: int, count: int) -> tuple[int, ...]:
+        """How many layers of each kind of :attr:`kind_set` global layers [first, first + count) have."""
+        pre = self._per_tp.get("kind_prefix")
+        if pre is None:
+            index = {k: i for i, k in enumerate(self.kind_set)}
+            rows, row = [], [0] * len(index)
+            rows.append(tuple(row))
+            for k in self.kinds:
+                row[index[k]] += 1
+                rows.append(tuple(row))
+            pre = self._per_tp["kind_prefix"] = rows
+        lo, hi = pre[first], pre[min(first + count, len(pre) - 1)]
+        return tuple(b - a for a, b in zip(lo, hi))
+
+    def kind_params_per_rank(self, kind, tp: int) -> int:
+        """Parameters of one layer of ``kind`` on one TP rank outside the routed experts (the estimator's recipes;
+        the experts: TimeModel.stage_expert_params)."""
+        key = ("kind_params", kind, tp)
+        hit = self._per_tp.get(key)
+        if hit is None:
+            from ..estimator.params import layer_param_rows
+            hit = self._per_tp[key] = sum(r[1] for r in layer_param_rows(self.layout_at_tp(tp), kind) if not r[4])
+        return hit
+
+    def kind_matmul_params(self, kind) -> int:
+        """Weights a token multiplies in one layer of ``kind`` (whole): its mixer's and MLP's linears; an MoE block's
+        router, top-k experts and shared expert."""
+        from ..estimator.layers import kind_layout, mixer_recipe, mlp_recipe
+        from ..partition import MLP_MOE
+        L = kind_layout(self.layout_at_tp(1), kind)
+        n = sum(o * i for o, i in mixer_recipe(kind).linear_shapes(L).values())
+        if kind.mlp == MLP_MOE:
+            return n + moe_matmul_params(self.moe, self.hidden, self.gated)
+        return n + sum(o * i for o, i in mlp_recipe(kind).linear_shapes(L).values())
+
+    def kind_activation_bound(self, kind, tp: int, b: int, seq: int, sp: bool, mods: set) -> tuple[int, int]:
+        """(mixer, MLP) bytes a layer of ``kind`` surely keeps per micro-batch (its recipes' bound_saved)."""
+        from ..estimator.layers import kind_layout, mixer_recipe, mlp_recipe
+        L = kind_layout(self.layout, kind)
+        return (mixer_recipe(kind).bound_saved(L, tp, b, seq, sp, mods),
+                mlp_recipe(kind).bound_saved(L, tp, b, seq, sp, mods))
+
     def dense_mlp_matmul_params(self) -> int:
         """The dense MLP's weights of one layer: fc1 [g f, h] and fc2 [h, f]."""
         return ((2 if self.gated else 1) + 1) * self.ffn * self.hidden
@@ -391,22 +448,28 @@ class ModelShape:
 
 def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
     """The shape of the model from a probe layout resolved at TP=PP=CP=1."""
-    if L.heterogeneous_layers:
-        # the planner's bounds and timing take one layer shape (partition.uniform_kind)
-        from ..errors import NotModelledError
-        raise NotModelledError("--heterogeneous-layers-config-path", "planning layouts of heterogeneous layer configs")
-    if L.hybrid_layer_pattern:
-        # the same: the planner's bounds and timing know one layer shape, not Mamba / attention / MLP layers
-        from ..errors import NotModelledError
-        raise NotModelledError("--hybrid-layer-pattern", "planning layouts of hybrid Mamba models")
+    kinds: tuple = ()
+    moe = moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size)
+    if L.heterogeneous_layers or L.hybrid_layer_pattern:
+        # layers of several kinds (planner/hybrid.py): each layer's kind as the estimator builds it
+        from ..partition import MLP_MOE, layer_kinds
+        if L.mtp_num_layers:
+            from ..errors import NotModelledError
+            raise NotModelledError("--mtp-num-layers", "planning layouts of hybrid or heterogeneous models with "
+                                   "multi-token prediction depths")
+        kinds = tuple(k._replace(quantized=None) for k in layer_kinds(L))
+        if moe is not None:
+            # the MoE layers are the pattern's 'E' layers (the blocks' MoE MLPs), not --moe-layer-freq's
+            from dataclasses import replace as _replace
+            moe = _replace(moe, pattern=tuple(k.mlp == MLP_MOE for k in kinds))
     fixed_padded = raw.args.get("padded_vocab_size")
     pad = raw.args.get("pad_vocab_size", True)
     if isinstance(pad, str):
         pad = pad.strip().lower() in ("1", "true", "yes", "on")
     inst = raw.args.get("num_distributed_optimizer_instances")
     return ModelShape(layout=L, pad_vocab=bool(pad), fixed_padded_vocab=int(fixed_padded) if fixed_padded else None,
-                      moe=moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size),
-                      instances=int(inst) if inst not in (None, "") else L.num_distributed_optimizer_instances)
+                      moe=moe, instances=int(inst) if inst not in (None, "") else L.num_distributed_optimizer_instances,
+                      kinds=kinds)
 
 
 @dataclass(frozen=True, init=False)
@@ -711,6 +774,23 @@ def gdn_heads_ok(shape: ModelShape, tp: int, cp: int) -> bool:
     return gdn_shape(shape.layout).heads_split_ok(tp, cp, cp_splits_heads=new)
 
 
+def mixed_heads_ok(shape: ModelShape, tp: int, cp: int) -> bool:
+    """A hybrid model's rules on its Mamba heads and groups (MambaMixer, MambaContextParallel) and its 'G' layers'
+    GDN heads (as gdn_heads_ok), where it has such layers."""
+    from ..partition import MIXER_GDN, MIXER_MAMBA
+    mixers = {k.mixer for k in shape.kind_set}
+    if MIXER_MAMBA in mixers:
+        from .hybrid import mamba_shape
+        if not mamba_shape(shape.layout).heads_split_ok(tp, cp):
+            return False
+    if MIXER_GDN in mixers:
+        from packaging.version import Version
+        from .gdn import gdn_shape
+        new = Version(str(shape.layout.megatron_version)) >= Version("0.18")
+        return gdn_shape(shape.layout).heads_split_ok(tp, cp, cp_splits_heads=new)
+    return True
+
+
 def tp_values(shape: ModelShape, cluster: Cluster, cons: Constraints) -> list[int]:
     """TP sizes: divisors of the GPU count that the heads and query groups allow, inside a node
     (dividing the GPUs per node, or the NVLink domain) unless TP may span nodes."""
@@ -721,6 +801,8 @@ def tp_values(shape: ModelShape, cluster: Cluster, cons: Constraints) -> list[in
             continue
         if shape.gdn_pattern and not gdn_heads_ok(shape, t, 1):
             continue                   # GatedDeltaNet splits its key and value heads over TP
+        if shape.kinds and not mixed_heads_ok(shape, t, 1):
+            continue                   # MambaMixer / GatedDeltaNet split their heads over TP
         if cons.max_tp is not None and t > cons.max_tp:
             continue
         if t <= dom and dom % t:
@@ -790,6 +872,8 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
     dist_fsdp = [(d, None) for d in dist_opts] + [(True, f) for f in fsdps]     # DDP, then Megatron-FSDP
     moe = shape.moe is not None
     mtp = shape.layout.mtp_num_layers
+    hybrid = bool(shape.layout.hybrid_layer_pattern)
+    linear_blocks = any("linear" in (k.mixer, k.mlp) for k in shape.kind_set)
     for tp in tp_values(shape, cluster, cons):
         # megatron-core's own attention (--transformer-impl local) asserts CP = 1, TE's unfused attention has
         # none either (resolve/kernels.py); only TE's flash / fused attention does ring attention
@@ -801,6 +885,8 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
             if cons.cp is not None and cp not in cons.cp:
                 continue
             if shape.gdn_pattern and not gdn_heads_ok(shape, tp, cp):
+                continue
+            if shape.kinds and not mixed_heads_ok(shape, tp, cp):
                 continue
             if fujii and tp * cp > cluster.gpus_per_node:
                 continue
@@ -823,12 +909,12 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
                         for n in stages:
                             g = math.gcd(g, n)
                         vpps = list(divisors(g))
-                    if fujii:
-                        vpps = [1]
+                    if fujii or hybrid:
+                        vpps = [1]     # (a hybrid pattern without '|': select_pipeline_segment refuses VPP)
                     vpps = _allowed(vpps, cons.vpp)
                     if vpps:
                         options.append((first, last, stages, vpps, None))
-                if pp > 1 and cons.uneven and not fujii:
+                if pp > 1 and cons.uneven and not fujii and not hybrid:
                     for v in (cons.vpp if cons.vpp is not None else DEFAULT_UNEVEN_VPP):
                         for x in uneven_vpp_splits(L, pp, v, mtp):
                             if not any(o[2] == x.stages and v in o[3] for o in options):
@@ -857,6 +943,10 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
                                 sps = [x for x in sps if x]
                             if shape.moe and tp > 1:
                                 sps = [x for x in sps if x]    # MoELayer.forward: TP > 1 trains with SP
+                            if linear_blocks and tp > 1:
+                                # a heterogeneous block's linear replacement gathers its output, which fails under
+                                # SP (resolve/heterogeneous.py)
+                                sps = [x for x in sps if not x]
                             for ep, etp in experts:
                                 for sp in sps:
                                     for rc in recompute:

@@ -75,6 +75,7 @@ from .comm import HOST_LINK_EFFICIENCY, P2P_LATENCY, collective_seconds, host_co
 from .kernels import HBM_EFFICIENCY, attention_seconds, gemm_seconds, memory_seconds
 from .gdn import ATTN_KERNELS_BWD, ATTN_KERNELS_FWD, KERNELS_BWD as GDN_KERNELS_BWD, KERNELS_FWD as GDN_KERNELS_FWD
 from .gdn import gdn_core, gdn_shape
+from . import hybrid as hyb
 from .moe import (MoeLayerCost, all_to_all_seconds, edp_per_domain, expert_params_per_rank, moe_layer_cost)
 from .space import Candidate, Cluster, ModelShape
 
@@ -226,6 +227,7 @@ class LayerCost:
     moe_detail: str = ""
     gdn: bool = False              # a gated delta net mixer (attn_*: its delta-rule kernel; cp_*: its all-to-alls)
     gdn_norm_fwd: float = 0.0      # its gated output norm's forward (selective recompute of 'gdn_norm_out')
+    ssm: bool = False              # a Mamba mixer (attn_*: its SSD scan; cp_*: its all-to-alls): no core_attention
 
     @property
     def per_layer(self) -> tuple[float, float, float, float, float]:
@@ -377,6 +379,9 @@ class TimeModel:
             g = gdn_shape(s.layout)
             f, bw = delta_rule_flops_per_token(g.key_dim, g.value_dim)
             self.flops_per_token += s.gdn_layers * g.value_heads * (f + bw)
+        self._kinds: dict[tuple, tuple] = {}
+        if s.kinds:
+            self.flops_per_token = self._mixed_flops_per_token()
 
     # ---- primitives (kept for callers that time one collective) -------------------------------------
     def collective(self, kind: str, nbytes: float, n: int, per_domain: int) -> float:
@@ -618,6 +623,235 @@ class TimeModel:
         ms = self.shape.moe
         return self._layers_on(c, stage, ms.layers_in, "moe") if ms is not None else 0
 
+    # ---- layers of several kinds (hybrid Mamba models, heterogeneous layer configs: planner/hybrid.py) -----
+    def kinds_on(self, c: Candidate, stage: int) -> tuple[int, ...]:
+        """Layers of each kind of shape.kind_set on one rank of ``stage``; () when the layers are alike."""
+        s = self.shape
+        if not s.kinds:
+            return ()
+        key = ("kinds", c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, stage)
+        hit = self._moe_on.get(key)
+        if hit is None:
+            # each of its chunks' slices of the global order (as _layers_on), the counts added kind by kind
+            if c.chunks:
+                starts = [0]
+                for k in c.chunks:
+                    starts.append(starts[-1] + k)
+                slices = [(starts[i], c.chunks[i]) for i in range(stage, len(c.chunks), c.pp)]
+            elif c.vpp > 1 and c.first is None and c.last is None:
+                ch = s.num_layers // (c.pp * c.vpp)
+                slices = [((j * c.pp + stage) * ch, ch) for j in range(c.vpp)]
+            else:
+                slices = [(sum(c.stage_layers[:stage]), c.stage_layers[stage])]
+            counts = [s.kinds_in(a, n) for a, n in slices]
+            hit = self._moe_on[key] = tuple(sum(x) for x in zip(*counts))
+        return hit
+
+    def kind_costs(self, c: Candidate, fp8: bool) -> tuple[tuple[LayerCost, float], ...]:
+        """(cost, recompute seconds) of one layer of each kind of shape.kind_set for the candidate."""
+        key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.ep, c.etp, c.recompute)
+        hit = self._kinds.get(key)
+        if hit is None:
+            costs = [self.kind_cost(k, c.tp, c.cp, c.mbs, c.sp, fp8, c.ep, c.etp) for k in self.shape.kind_set]
+            hit = self._kinds[key] = tuple((x, self._recompute_layer(x, c.recompute)[0]) for x in costs)
+        return hit
+
+    def kind_cost(self, kind: Any, tp: int, cp: int, b: int, sp: bool, fp8: bool = False, ep: int = 1,
+                  etp: int = 1) -> LayerCost:
+        """One layer of ``kind``: a norm and residual add per half it has (mixer, MLP), plus its mixer's part
+        (attention: :meth:`layer_cost`'s attention half less its two norms; Mamba: :meth:`mamba_part`; gated delta
+        net: the attention part changed as :meth:`gdn_layer` changes it; a linear replacement; none) and its MLP's
+        part (dense of the block's width: :meth:`mlp_part`; MoE: :meth:`moe_layer` less its attention half; a
+        linear replacement; none)."""
+        from ..partition import MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_NONE, MLP_LINEAR, MLP_MOE, MLP_NONE
+        key = ("kind", kind, tp, cp, b, sp, fp8) + ((ep, etp) if kind.mlp == MLP_MOE else ())
+        hit = self._layer.get(key)
+        if hit is not None:
+            return hit
+        s = self.shape
+        a = self.layer_cost(tp, cp, b, sp, fp8, mlp=False)
+        norm = self.norm_part(tp, cp, b, sp)
+        parts: list[tuple[float, LayerCost]] = [(0, a)]
+        parts.append(((kind.mixer != MIXER_NONE) + (kind.mlp != MLP_NONE), norm))
+        if kind.mixer == MIXER_MAMBA:
+            parts.append((1, self.mamba_part(tp, cp, b, sp, fp8)))
+        elif kind.mixer == MIXER_LINEAR:
+            parts.append((1, self.linear_part(tp, cp, b, sp, fp8)))
+        elif kind.mixer != MIXER_NONE:
+            parts += [(1, a), (-2, norm)]
+            if kind.mixer == MIXER_GDN:
+                parts += [(1, self.gdn_layer(tp, cp, b, sp, fp8)), (-1, self.layer_cost(tp, cp, b, sp, fp8))]
+        if kind.mlp == MLP_MOE:
+            # (moe_layer's attention half is timed without FP8: take out that one)
+            parts += [(1, self.moe_layer(tp, cp, b, sp, ep, etp)), (-1, self.layer_cost(tp, cp, b, sp, mlp=False))]
+        elif kind.mlp == MLP_LINEAR:
+            parts.append((1, self.linear_part(tp, cp, b, sp, fp8)))
+        elif kind.mlp != MLP_NONE:
+            ffn = int(kind.mlp.split(":", 1)[1]) if ":" in kind.mlp else s.ffn
+            parts.append((1, self.mlp_part(ffn, tp, cp, b, sp, fp8)))
+        lc = self._layer[key] = hyb.combine(parts, self.peak)
+        return lc
+
+    def _part(self, **kw: Any) -> LayerCost:
+        """A LayerCost of the given fields, the others 0."""
+        base = dict(gemm_fwd=0.0, gemm_bwd=0.0, gemm_eff=0.0, col_dgrad=0.0, col_wgrad=0.0, mlp_fwd=0.0, attn_fwd=0.0,
+                    attn_bwd=0.0, attn_eff=0.0, elem_fwd=0.0, elem_bwd=0.0, cp_merge_fwd=0.0, kernels_fwd=0,
+                    kernels_bwd=0, tp_fwd=0.0, tp_bwd=0.0, cp_fwd=0.0, cp_bwd=0.0, flops_fwd=0.0)
+        base.update(kw)
+        return LayerCost(**base)
+
+    def norm_part(self, tp: int, cp: int, b: int, sp: bool) -> LayerCost:
+        """One norm and one residual add of a layer: half of layer_cost's ELEM_H bytes per token x hidden element."""
+        s = self.shape
+        M = b * (s.seq_length // cp)
+        tok = M // tp if sp else M
+        x = tok * s.hidden * s.act_bytes / 2
+        return self._part(elem_fwd=memory_seconds(ELEM_H_FWD / 2 * x, self.gpu),
+                          elem_bwd=memory_seconds((ELEM_H_BYTES - ELEM_H_FWD) / 2 * x, self.gpu),
+                          kernels_fwd=hyb.NORM_KERNELS_FWD, kernels_bwd=hyb.NORM_KERNELS_BWD)
+
+    def pair_tp(self, tp: int, M: int, col_dgrad: float, col_wgrad: float, sp: bool) -> tuple[float, float]:
+        """Exposed TP collectives (forward, backward) of one column / row-parallel pair on [M, h] (as layer_cost's,
+        with the pair's own column-parallel GEMMs to hide the backward ones behind)."""
+        if tp == 1:
+            return 0.0, 0.0
+        S = M * self.shape.hidden * self.shape.act_bytes
+        k = self.tp_per_domain(tp)
+        if sp:
+            ag, rs = self.collective("ag", S, tp, k), self.collective("rs", S, tp, k)
+            bwd = ag + max(0.0, ag - col_dgrad) + max(0.0, rs - col_wgrad) if self.tp_overlap else 2 * ag + rs
+            return ag + rs, bwd
+        ar = self.collective("ar", S, tp, k)
+        return ar, (max(0.0, ar - col_wgrad) if self.tp_overlap else ar)
+
+    def _gemm_gpu(self, fp8: bool):
+        return replace(self.gpu, bf16_flops=FP8_PEAK_RATIO * self.gpu.bf16_flops) if fp8 else self.gpu
+
+    def mlp_part(self, ffn: int, tp: int, cp: int, b: int, sp: bool, fp8: bool = False) -> LayerCost:
+        """A dense MLP of width ``ffn`` (a heterogeneous block's own, or the model's): fc1, the activation, fc2 and
+        their TP pair, as layer_cost times them."""
+        s = self.shape
+        ggpu, gb, h = self._gemm_gpu(fp8), s.grad_bytes, s.hidden
+        M = b * (s.seq_length // cp)
+        f_t = ffn // tp
+        fc1_n = (2 if s.gated else 1) * f_t
+        fc1 = linear_seconds(M, fc1_n, h, ggpu, gb)
+        fc2 = linear_seconds(M, h, f_t, ggpu, gb)
+        flops = 2.0 * M * (fc1_n * h + h * f_t)
+        ef, ef_fwd = (ELEM_F_BYTES_GATED, ELEM_F_FWD_GATED) if s.gated else (ELEM_F_BYTES, ELEM_F_FWD)
+        scale = s.act_bytes / 2
+        act_f = memory_seconds(ef_fwd * M * f_t * scale, self.gpu)
+        tp_f, tp_b = self.pair_tp(tp, M, fc1[1], fc1[2], sp)
+        g = fc1[0] + fc2[0]
+        return self._part(gemm_fwd=g, gemm_bwd=fc1[1] + fc1[2] + fc2[1] + fc2[2], gemm_eff=flops / (g * self.peak),
+                          col_dgrad=fc1[1] if tp > 1 else 0.0, col_wgrad=fc1[2] if tp > 1 else 0.0,
+                          mlp_fwd=g + act_f, elem_fwd=act_f,
+                          elem_bwd=memory_seconds((ef - ef_fwd) * M * f_t * scale, self.gpu),
+                          kernels_fwd=MLP_KERNELS_FWD, kernels_bwd=MLP_KERNELS_BWD, tp_fwd=tp_f, tp_bwd=tp_b,
+                          flops_fwd=flops)
+
+    def linear_part(self, tp: int, cp: int, b: int, sp: bool, fp8: bool = False) -> LayerCost:
+        """A heterogeneous block's linear replacement (replace_with_linear): one column-parallel [h, h] GEMM whose
+        output is all-gathered (forward), its input gradient all-reduced behind its weight gradient (backward)."""
+        s = self.shape
+        M = b * (s.seq_length // cp)
+        x = linear_seconds(M, s.hidden // tp, s.hidden, self._gemm_gpu(fp8), s.grad_bytes)
+        flops = 2.0 * M * s.hidden * (s.hidden // tp)
+        tp_f = tp_b = 0.0
+        if tp > 1:
+            S = M * s.hidden * s.act_bytes
+            k = self.tp_per_domain(tp)
+            tp_f = self.collective("ag", S, tp, k)
+            ar = self.collective("ar", S, tp, k)
+            tp_b = max(0.0, ar - x[2]) if self.tp_overlap else ar
+        return self._part(gemm_fwd=x[0], gemm_bwd=x[1] + x[2], gemm_eff=flops / (x[0] * self.peak),
+                          col_dgrad=x[1] if tp > 1 else 0.0, col_wgrad=x[2] if tp > 1 else 0.0, kernels_fwd=1,
+                          kernels_bwd=2, tp_fwd=tp_f, tp_bwd=tp_b, flops_fwd=flops)
+
+    def mamba_part(self, tp: int, cp: int, b: int, sp: bool, fp8: bool = False) -> LayerCost:
+        """The Mamba mixer (planner/hybrid.py): in_proj and out_proj (one TP pair), the conv1d, the chunked SSD scan
+        and the gated norm; under CP the two all-to-alls of heads (MambaContextParallel: before the conv, after the
+        scan), forward and again backward, exposed."""
+        s = self.shape
+        m = hyb.mamba_shape(s.layout)
+        ggpu, gb, h = self._gemm_gpu(fp8), s.grad_bytes, s.hidden
+        M = b * (s.seq_length // cp)
+        w, di = m.in_proj_width(tp), m.d_inner // tp
+        inp = linear_seconds(M, w, h, ggpu, gb)
+        out = linear_seconds(M, h, di, ggpu, gb)
+        flops = 2.0 * M * h * (w + di)
+        core = hyb.mamba_core(m, b=b, seq=s.seq_length, tp=tp, cp=cp, act_bytes=s.act_bytes, gpu=self.gpu)
+        a2a = 0.0
+        if cp > 1:
+            k = self.cp_per_domain(tp, cp)
+            a2a = sum(all_to_all_seconds(M * x * s.act_bytes, cp, k, self.gpu) for x in (w, di))
+        tp_f, tp_b = self.pair_tp(tp, M, inp[1], inp[2], sp)
+        g = inp[0] + out[0]
+        return self._part(gemm_fwd=g, gemm_bwd=inp[1] + inp[2] + out[1] + out[2], gemm_eff=flops / (g * self.peak),
+                          col_dgrad=inp[1] if tp > 1 else 0.0, col_wgrad=inp[2] if tp > 1 else 0.0,
+                          attn_fwd=core.kernel_fwd, attn_bwd=core.kernel_bwd, attn_eff=core.kernel_eff,
+                          elem_fwd=core.elem_fwd, elem_bwd=core.elem_bwd, kernels_fwd=2 + hyb.KERNELS_FWD,
+                          kernels_bwd=4 + hyb.KERNELS_BWD, tp_fwd=tp_f, tp_bwd=tp_b, cp_fwd=a2a, cp_bwd=a2a,
+                          flops_fwd=flops + core.kernel_flops_fwd, ssm=True)
+
+    def _mixed_texts(self, c: Candidate, crit: int, fp8: bool, texts: tuple, m: int, gemm: float,
+                     where: str) -> tuple:
+        """explain's sentences of the per-layer terms for a model with layers of several kinds: each kind on the
+        critical stage, how many, and its own numbers."""
+        s = self.shape
+        rows = [(hyb.kind_name(kind), k, x, r) for kind, k, (x, r) in
+                zip(s.kind_set, self.kinds_on(c, crit), self.kind_costs(c, fp8)) if k]
+
+        def each(f) -> str:
+            return " + ".join(f"{k} {name} x {f(x, r)}" for name, k, x, r in rows)
+
+        def core(x: LayerCost) -> str:
+            if not x.attn_fwd:
+                return "0"
+            what = "SSD scan" if x.ssm else "delta-rule kernel" if x.gdn else "attention"
+            return f"{(x.attn_fwd + x.attn_bwd) * 1e3:.3f} ms {what} at {x.attn_eff:.0%} of peak"
+
+        def cp(x: LayerCost) -> str:
+            if not x.cp_fwd + x.cp_bwd:
+                return "0"
+            what = "all-to-alls of heads" if x.ssm or x.gdn else "exposed K/V ring exchange"
+            return f"{(x.cp_fwd + x.cp_bwd) * 1e3:.3f} ms {what}"
+
+        rc_any = any(r for *_, r in rows)
+        return (
+            (f"{m} micro-batches x {gemm * 1e3:.2f} ms on {where}; per layer, forward + backward: "
+             + each(lambda x, r: f"{(x.gemm_fwd + x.gemm_bwd) * 1e3:.3f} ms at {x.gemm_eff:.0%} of peak (forward)")),
+            f"{m} x ({each(lambda x, r: core(x))})" + (f", {c.cp} ring steps per attention layer" if c.cp > 1 else ""),
+            texts[2],
+            f"{m} x ({each(lambda x, r: str(x.kernels_fwd + x.kernels_bwd))}) kernels x {KERNEL_GAP * 1e6:.0f} us",
+            texts[4],
+            (f"{m} x ({each(lambda x, r: f'{r * 1e3:.3f} ms')}): {self._recompute_layer(rows[0][2], c.recompute)[1]}"
+             if rc_any else "no recomputation"),
+            (f"{m} x ({each(lambda x, r: f'{(x.tp_fwd + x.tp_bwd) * 1e3:.3f} ms')} + embedding/output) exposed TP "
+             f"collectives, TP{c.tp}" + (" with sequence parallelism" if c.sp else " without sequence parallelism")
+             if c.tp > 1 else texts[6]),
+            f"{m} x ({each(lambda x, r: cp(x))})" if c.cp > 1 else texts[7],
+        ) + texts[8:]
+
+    def _mixed_flops_per_token(self) -> float:
+        """Model FLOPs per token of a model with layers of several kinds: 6 x every kind's matmul weights and the
+        output layer's, plus per attention layer 6 heads (qk + v) s (the dense model's term), per Mamba layer its SSD
+        scan (forward and backward, planner/hybrid.py), per GDN layer its delta-rule kernel (planner/gdn.py)."""
+        from ..partition import MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_NONE
+        s = self.shape
+        out = 6.0 * (s.matmul_params() + s.vocab * s.hidden)
+        for kind, n in zip(s.kind_set, s.kinds_in(0, s.num_layers)):
+            if kind.mixer == MIXER_MAMBA:
+                m = hyb.mamba_shape(s.layout)
+                out += n * sum(hyb.ssd_flops_per_token(m.heads, m.head_dim, m.groups, m.state, m.chunk))
+            elif kind.mixer == MIXER_GDN:
+                from .gdn import delta_rule_flops_per_token
+                g = gdn_shape(s.layout)
+                out += n * g.value_heads * sum(delta_rule_flops_per_token(g.key_dim, g.value_dim))
+            elif kind.mixer not in (MIXER_NONE, MIXER_LINEAR):
+                out += 6.0 * n * s.heads * (s.qk_dim + s.v_dim) * s.seq_length
+        return out
+
     def ends_cost(self, tp: int, cp: int, b: int, sp: bool) -> EndsCost:
         key = (tp, cp, b, sp)
         hit = self._ends.get(key)
@@ -679,17 +913,22 @@ class TimeModel:
         first, last = stage == 0, stage == c.pp - 1
         n_moe = self.moe_layers_on(c, stage)
         n_gdn = self.gdn_layers_on(c, stage)
-        key = (c.tp, c.pp > 1, c.stage_layers[stage], first, last, n_moe, n_gdn)
+        kc = self.kinds_on(c, stage)
+        key = (c.tp, c.pp > 1, c.stage_layers[stage], first, last, n_moe, n_gdn, kc)
         n = self._params.get(key)
         if n is not None:
             return n
         s = self.shape
-        n = (c.stage_layers[stage] - n_moe) * s.layer_params_per_rank(c.tp)
-        if n_gdn:
-            # a GDN mixer instead of attention (in a dense or an MoE layer alike)
-            n += n_gdn * (s.gdn_layer_params_per_rank(c.tp) - s.layer_params_per_rank(c.tp))
-        if n_moe:
-            n += n_moe * s.moe_layer_params_per_rank(c.tp)
+        if kc:
+            # layers of several kinds: each kind's parameters outside the routed experts (the estimator's recipes)
+            n = sum(k * s.kind_params_per_rank(kind, c.tp) for k, kind in zip(kc, s.kind_set))
+        else:
+            n = (c.stage_layers[stage] - n_moe) * s.layer_params_per_rank(c.tp)
+            if n_gdn:
+                # a GDN mixer instead of attention (in a dense or an MoE layer alike)
+                n += n_gdn * (s.gdn_layer_params_per_rank(c.tp) - s.layer_params_per_rank(c.tp))
+            if n_moe:
+                n += n_moe * s.moe_layer_params_per_rank(c.tp)
         v_rows = s.padded_vocab(c.tp) // c.tp
         if first:
             n += v_rows * s.hidden + (s.max_positions * s.hidden if s.learned_positions else 0)
@@ -773,14 +1012,15 @@ class TimeModel:
         n = s.num_layers
         if total is None:
             costs = self._bound_costs(c, fp8)
-            every = (n, True, True, s.moe.layers_in(0, n) if s.moe else 0, s.gdn_layers_in(0, n) if s.gdn_pattern else 0)
+            every = (n, True, True, s.moe.layers_in(0, n) if s.moe else 0, s.gdn_layers_in(0, n) if s.gdn_pattern else 0,
+                     s.kinds_in(0, n) if s.kinds else ())
             total = self._rank_rows(c, (every,), *costs, fp8)[0][0]
             if c.pp > 1:
                 total += costs[1].batch
             self._work_sum[key] = total
         p, v, m = c.pp, c.vpp, c.m
         w = total / p
-        if n % p and not s.gdn_pattern:
+        if n % p and not s.gdn_pattern and not s.kinds:
             # the ranks share the layers out, so one holds at least ceil(L / p) of them: at least the work of the
             # cheapest ceil(L / p) layers of the model, well above S / p where p does not divide L (where it does,
             # at most S / p). (GDN layers mix into either kind: left at S / p.)
@@ -808,7 +1048,7 @@ class TimeModel:
         s = self.shape
         if hit is None:
             n_moe = s.moe.layers_in(0, s.num_layers) if s.moe else 0
-            one = [(1, False, False, 0, 0)] + ([(1, False, False, 1, 0)] if n_moe else [])
+            one = [(1, False, False, 0, 0, ())] + ([(1, False, False, 1, 0, ())] if n_moe else [])
             rows = self._rank_rows(c, one, *self._bound_costs(c, fp8), fp8)
             # (the cheaper kind first, with how many layers of it the model has)
             hit = self._layer_work[key] = tuple(sorted(((rows[0][0], s.num_layers - n_moe), (rows[-1][0], n_moe))))
@@ -826,7 +1066,7 @@ class TimeModel:
         if recompute == "selective":
             mods = self.shape.recompute_modules
             t, what = 0.0, []
-            if "core_attn" in mods and not lc.gdn:
+            if "core_attn" in mods and not lc.gdn and not lc.ssm:
                 # (a GDN mixer has no core_attention module: GatedDeltaNet checkpoints only its output norm)
                 t += lc.attn_fwd + lc.cp_fwd + lc.cp_merge_fwd + KERNEL_GAP
                 what.append("core attention")
@@ -846,7 +1086,8 @@ class TimeModel:
         return 0.0, ""
 
     def _stage_work(self, c: Candidate, n: int, first: bool, last: bool, n_moe: int, lc: LayerCost, ec: EndsCost,
-                    lm: LayerCost | None = None, n_gdn: int = 0, lg: LayerCost | None = None) -> tuple[float, ...]:
+                    lm: LayerCost | None = None, n_gdn: int = 0, lg: LayerCost | None = None,
+                    kc: tuple[int, ...] = (), kcosts: tuple = ()) -> tuple[float, ...]:
         """Per micro-batch on a rank of ``n`` layers (``n_moe`` of them MoE, ``n_gdn`` with a GDN mixer), the
         first and / or the last stage: (gemm, attention, elementwise, kernel_gaps, input, tp_comm, ep_comm)."""
         n_dense = n - n_moe
@@ -859,6 +1100,13 @@ class TimeModel:
             # a GDN mixer instead of attention, whatever the layer's MLP: the difference of the two dense layers
             gemm, attn, elem, gaps, tpc = (x + n_gdn * (y - z) for x, y, z in
                                            zip((gemm, attn, elem, gaps, tpc), lg.per_layer, lc.per_layer))
+        if kc:
+            # layers of several kinds (planner/hybrid.py): each kind's own cost, as often as the rank has it
+            gemm = attn = elem = gaps = tpc = epc = 0.0
+            for k, (x, _) in zip(kc, kcosts):
+                if k:
+                    gemm, attn, elem, gaps, tpc = (a + k * y for a, y in zip((gemm, attn, elem, gaps, tpc), x.per_layer))
+                    epc += k * (x.ep_fwd + x.ep_bwd)
         # get_batch runs on the first and the last stage (once when they are the same)
         inp = ec.batch if first or last else 0.0
         if first:
@@ -881,7 +1129,7 @@ class TimeModel:
             index = []
             for i in range(c.pp):
                 sig = (c.stage_layers[i], i == 0, i == c.pp - 1, self.moe_layers_on(c, i) if self.shape.moe else 0,
-                       self.gdn_layers_on(c, i))
+                       self.gdn_layers_on(c, i), self.kinds_on(c, i))
                 if sig not in sigs:
                     sigs.append(sig)
                 index.append(sigs.index(sig))
@@ -923,15 +1171,21 @@ class TimeModel:
         mtp = self.shape.layout.mtp_num_layers
         lg = self.gdn_layer(c.tp, c.cp, c.mbs, c.sp, fp8) if self.shape.gdn_pattern else None
         rc_gdn = self._recompute_layer(lg, c.recompute)[0] - rc_layer if lg is not None else 0.0
+        kcosts = self.kind_costs(c, fp8) if self.shape.kinds else ()
         kinds = []
-        for n, first, last, n_moe, n_gdn in sigs:
-            gemm, attn, elem, gaps, inp, tpc, epc = self._stage_work(c, n, first, last, n_moe, lc, ec, lm, n_gdn, lg)
+        for n, first, last, n_moe, n_gdn, kc in sigs:
+            gemm, attn, elem, gaps, inp, tpc, epc = self._stage_work(c, n, first, last, n_moe, lc, ec, lm, n_gdn, lg,
+                                                                     kc, kcosts)
             rc = (n - n_moe) * rc_layer + n_moe * rc_moe if n_moe else n * rc_layer
             cpc = n * layer_cp        # an MoE layer's attention half has the dense layer's ring
             if n_gdn:
                 # a GDN mixer: its recompute and its all-to-alls instead of the attention's (MLP parts unchanged)
                 rc += n_gdn * rc_gdn
                 cpc += n_gdn * (lg.cp_fwd + lg.cp_bwd - layer_cp)
+            if kc:
+                # each kind's recompute and CP exchange (a ring, an all-to-all of heads, or none)
+                rc = sum(k * r for k, (_, r) in zip(kc, kcosts))
+                cpc = sum(k * (x.cp_fwd + x.cp_bwd) for k, (x, _) in zip(kc, kcosts))
             if last and mtp:
                 mg, ma, me, mk, mr, mt, mc, mp = self.mtp_cost(c, lc, ec, lm, rc_layer, rc_moe)
                 gemm, attn, elem, gaps, rc, tpc, cpc, epc = (gemm + mg, attn + ma, elem + me, gaps + mk, rc + mr,
@@ -1068,6 +1322,8 @@ class TimeModel:
                     (f"{m} x ({n - n_gdn} attention layers x {layer_cp * 1e3:.3f} ms exposed K/V ring exchange + "
                      f"{n_gdn} gated delta net layers x {(lg.cp_fwd + lg.cp_bwd) * 1e3:.3f} ms of all-to-alls of heads)"
                      if c.cp > 1 else texts[7]),) + texts[8:])
+            if s.kinds:
+                texts = self._mixed_texts(c, crit, fp8, texts, m, gemm, where)
             if s.moe:
                 n_moe = self.moe_layers_on(c, crit)
                 texts = texts[:8] + (
@@ -1198,7 +1454,7 @@ class TimeModel:
         if n_dp <= 1 and (not psi_e or c.edp <= 1):
             return 0.0, "DP x CP = 1: nothing to reduce"
         key = (c.tp, c.cp, c.mbs, c.sp, c.dp, c.pp, c.stage_layers[0], c.dist_opt, c.recompute, c.fsdp, self.fp8_on(c),
-               c.ep, c.etp, (c.vpp, c.chunks) if s.gdn_pattern or lm is not None else 0)
+               c.ep, c.etp, (c.vpp, c.chunks) if s.gdn_pattern or lm is not None or s.kinds else 0)
         if not details and key in self._dp:
             return self._dp[key], ""
         psi0 = self.stage_params(c, 0)
@@ -1217,6 +1473,13 @@ class TimeModel:
             rc_gdn = self._recompute_layer(lg, c.recompute)[0]
             w_b += n_gdn * (lg.bwd + lg.cp_bwd + rc_gdn - lc.bwd - lc.cp_bwd - rc_layer)
             w_f += n_gdn * (lg.fwd + lg.cp_fwd - lc.fwd - lc.cp_fwd)
+        kc = self.kinds_on(c, 0)
+        if kc:
+            # layers of several kinds: the first stage's own layers (planner/hybrid.py)
+            kcosts = self.kind_costs(c, self.fp8_on(c))
+            w_b = ec.emb_bwd + sum(k * (x.bwd + x.tp_bwd + x.cp_bwd + x.ep_bwd + r) for k, (x, r) in zip(kc, kcosts))
+            w_f = ec.emb_fwd + ec.emb_tp + sum(k * (x.fwd + x.tp_fwd + x.cp_fwd + x.ep_fwd)
+                                               for k, (x, r) in zip(kc, kcosts))
         if c.pp == 1:
             w_b += ec.out_bwd
             w_f += ec.out_fwd

@@ -1,0 +1,153 @@
+"""`memguard plan` on hybrid Mamba models (--hybrid-layer-pattern) and heterogeneous layer configs: the Mamba mixer's
+FLOPs counted by hand from the Mamba-2 paper's chunked SSD algorithm, the model FLOPs of Nemotron-H 8B by hand, the
+planner's parameters against the estimator's, its memory bound below full estimates, its pipeline splits as
+megatron-core's select_pipeline_segment allows them, and its first choices accepted by the estimator."""
+import os
+import random
+
+import pytest
+
+from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
+from megatron_memguard.planner import Constraints
+from megatron_memguard.planner.hybrid import MambaShape, ssd_flops_per_token
+from megatron_memguard.planner.space import enumerate_space
+
+from planner_util import make_planner
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HET_DIR = os.path.join(HERE, "data", "heterogeneous")
+MAMBA = ("--hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 8 --group-query-attention "
+         "--num-query-groups 8 --max-position-embeddings 4096 --position-embedding-type none --normalization RMSNorm "
+         "--disable-bias-linear --squared-relu --untie-embeddings-and-output-weights --tokenizer-type NullTokenizer "
+         "--vocab-size 32000 --bf16 --mamba-num-heads 32 --mamba-head-dim 64 --mamba-num-groups 8 "
+         "--mamba-state-dim 128").split()
+HYBRID = MAMBA + ["--hybrid-override-pattern", "M-M*-M-M-M*-M-M-", "--num-layers", "16"]
+HYBRID_MOE = MAMBA + ["--hybrid-override-pattern", "MEM*EMEM*EME", "--num-layers", "12", "--num-experts", "8",
+                      "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size",
+                      "1024", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+# the flags validate_model_config_args_from_heterogeneous_config (0.19.2) wants for tests/data/heterogeneous
+HET = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+       "--ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope --use-rope-scaling "
+       "--use-rotary-position-embeddings --rotary-base 500000 --untie-embeddings-and-output-weights "
+       "--disable-bias-linear --max-position-embeddings 4096 --bf16 --hidden-dropout 0 --attention-dropout 0 "
+       "--tokenizer-type NullTokenizer --vocab-size 1024 --heterogeneous-layers-config-path").split()
+
+
+def test_ssd_scan_flops_by_hand():
+    # Nemotron-H 8B's mixer (Megatron-Bridge 0.6.2 nemotronh.py: 128 heads of 64, 8 groups, state 128; chunk 128,
+    # HybridModelProvider.mamba_chunk_size). Dao & Gu 2024 section 6, per token: diagonal blocks H 2 Q P + G 2 Q N,
+    # chunk states H 2 N P, state passing H 2 N P / Q, off-diagonal output H 2 N P:
+    # 128 (16,384 + 16,384 + 128 + 16,384) + 8 x 32,768 = 6,569,984
+    fwd, bwd = ssd_flops_per_token(128, 64, 8, 128, 128)
+    assert fwd == 128 * (2 * 128 * 64 + 4 * 128 * 64 + 2 * 128 * 64 / 128) + 8 * 2 * 128 * 128 == 6_569_984
+    # backward: 2 x forward + the recomputed C B^T (8 x 32,768) and chunk states with their passing (128 x 16,512)
+    assert bwd == 2 * 6_569_984 + 262_144 + 128 * 16_512 == 15_515_648
+
+
+def test_mamba_layer_flops_per_token_by_hand():
+    # a Mamba layer of HYBRID at TP 1: in_proj [2 x 2048 + 2 x 8 x 128 + 32 = 6,176, 1024], out_proj [1024, 2048]
+    # (MambaMixer: d_inner = 32 heads x 64), 2 FLOPs per weight per token, plus the SSD scan's forward
+    P = make_planner(HYBRID, 8, 4096, 32)
+    m = MambaShape(32, 64, 8, 128, 128)
+    assert m.in_proj_width(1) == 6_176 and m.conv_channels(2) == (2048 + 2048) // 2
+    mixer = next(k for k in P.shape.kind_set if k.mixer == "mamba")
+    lc = P.timer.kind_cost(mixer, 1, 1, 1, False)
+    tokens = 4096
+    assert lc.flops_fwd / tokens == pytest.approx(2 * 1024 * (6_176 + 2_048) + ssd_flops_per_token(32, 64, 8, 128, 128)[0])
+    assert lc.ssm and lc.attn_fwd > 0 and lc.tp_fwd == 0
+
+
+def test_nemotron_h_8b_model_flops_by_hand():
+    # per token: 6 x matmul weights (24 Mamba layers x (18,560 x 4,096 + 4,096 x 8,192), 24 MLP layers x 2 x 21,504 x
+    # 4,096, 4 attention layers x ((4,096 + 2 x 1,024) x 4,096 + 4,096 x 4,096), output layer 32,000 x 4,096), plus
+    # 4 x 6 x 32 heads x 256 x 8,192 attention, plus 24 SSD scans forward and backward
+    from megatron_memguard.planner import Cluster, Planner
+    from megatron_memguard.gpus import lookup_gpu
+    from megatron_memguard.readers.models import read_model
+    g = lookup_gpu("H100-80GB")
+    P = Planner(read_model("nemotronh_8b"), Cluster(8, 8, g, 8, g.memory_bytes))
+    weights = 24 * (18_560 * 4_096 + 4_096 * 8_192) + 24 * 2 * 21_504 * 4_096 + 4 * (6_144 * 4_096 + 4_096 * 4_096)
+    assert P.shape.matmul_params() == weights == 7_025_459_200
+    ssd = sum(ssd_flops_per_token(128, 64, 8, 128, 128))
+    assert P.timer.flops_per_token == 6 * (weights + 32_000 * 4_096) + 4 * 6 * 32 * 256 * 8_192 + 24 * ssd
+
+
+def test_planner_parameters_match_the_estimator_per_stage():
+    # the planner's per-rank parameters of each stage (per-kind recipes) against the estimator's count of that stage
+    for flags, gpus, gbs in ((HYBRID, 16, 64), (HYBRID_MOE, 16, 64), (HET + [os.path.join(HET_DIR, "linear_blocks.json")], 8, 32)):
+        P = make_planner(flags, gpus, 4096, gbs)
+        cands = [c for c in enumerate_space(P.shape, P.cluster, gbs, Constraints(recompute=("none",), mbs=(1,)))
+                 if c.pp > 1 or c.tp > 1][:40]
+        assert cands
+        for c in cands:
+            est = P.estimate(P.layout(c))
+            for st in est.stages:
+                dense = P.timer.stage_params(c, st.pp_rank) + P.timer.stage_expert_params(c, st.pp_rank)
+                assert dense == st.parameters, (c.name, st.pp_rank)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "hybrid-moe", "small_blocks", "linear_blocks", "top_mlp_only",
+                                  "own_query_groups"])
+def test_bound_stays_below_the_estimate_and_no_candidate_breaks_a_rule(name):
+    flags = {"hybrid": HYBRID, "hybrid-moe": HYBRID_MOE}.get(name) or HET + [os.path.join(HET_DIR, name + ".json")]
+    gpus, gbs = (16, 64) if name.startswith("hybrid") else (8, 32)
+    P = make_planner(flags, gpus, 4096, gbs)
+    cands = enumerate_space(P.shape, P.cluster, gbs, Constraints())
+    for c in random.Random(3).sample(cands, min(50, len(cands))):
+        est = P.estimate(P.layout(c))          # (a rule the space missed would raise here)
+        assert P.replay_bound(c) <= est.peak_device_bytes, c.name
+        assert P.timer.step_time_bound(c) <= P.step_time(c).seconds, c.name
+
+
+def test_hybrid_pipeline_splits_follow_select_pipeline_segment():
+    # megatron-core 0.19.2 select_pipeline_segment (0.16.1 MambaStack._select_layers_for_pipeline_parallel): without
+    # '|' an even split or first / last stage sizes, no virtual pipeline; a pattern's '|' segments are dropped (noted)
+    flags = MAMBA + ["--hybrid-layer-pattern", "M-M*-M-M|-M*-M-M-M-", "--megatron-version", "0.19"]
+    P = make_planner(flags, 8, 4096, 32)
+    assert any("'|' pipeline segments are left out" in n for n in P.notes)
+    cands = enumerate_space(P.shape, P.cluster, 32, Constraints())
+    assert all(c.vpp == 1 and not c.chunks and not c.pp_layout for c in cands)
+    # 18 layers on PP 4: 4 + 5 + 5 + 4 / 5 + 4 + 4 + 5 style splits with first / last sizes only
+    four = {c.stage_layers for c in cands if c.pp == 4}
+    assert four and all(sum(s) == 18 and len(set(s[1:-1])) <= 1 for s in four)
+    for c in [c for c in cands if c.pp == 4][:4]:
+        L = P.layout(c)
+        assert L.hybrid_layer_pattern == "M-M*-M-M-M*-M-M-M-" and L.pipeline_model_parallel_layout is None
+
+
+def test_plan_of_nemotron_h_8b_preset_fits_as_estimated(capsys):
+    # Megatron-Bridge 0.6.2 nemotronh_8b recipe (TP communication overlap on: candidates without SP are dropped);
+    # every layout shown was estimated in full and fits
+    from megatron_memguard.cli.main import main
+    from megatron_memguard.gpus import lookup_gpu
+    from megatron_memguard.planner import Cluster, Planner
+    from megatron_memguard.readers.models import read_model
+    g = lookup_gpu("H100-80GB")
+    P = Planner(read_model("nemotronh_8b"), Cluster(8, 8, g, 8, g.memory_bytes))
+    res = P.plan(Constraints(), top=5)
+    assert len(res.entries) == 5
+    for e in res.entries:
+        assert e.estimate.verdict == "fits" and e.candidate.tp > 1 and e.candidate.sp, e.candidate.name
+        again = P.estimate(P.layout(e.candidate))
+        assert again.peak_device_bytes == e.estimate.peak_device_bytes
+    assert main(["plan", "--model", "nemotronh_8b", "--gpus", "8", "--gpu", "h100-80gb", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "24 Mamba layers" in out and "SSD scan" in out and "24 MLP layers, 4 attention layers" in out
+
+
+def test_hybrid_models_with_mtp_depths_are_refused_by_name():
+    flags = MAMBA + ["--hybrid-layer-pattern", "M-M*-M-M-/M*", "--mtp-num-layers", "1", "--megatron-version", "0.19"]
+    with pytest.raises(NotModelledError, match="--mtp-num-layers"):
+        make_planner(flags, 8, 4096, 32)
+
+
+def test_linear_replacement_blocks_plan_without_sequence_parallelism():
+    # resolve/heterogeneous.py: a linear replacement's output gather fails under SP with TP > 1
+    P = make_planner(HET + [os.path.join(HET_DIR, "linear_blocks.json")], 8, 4096, 32)
+    cands = enumerate_space(P.shape, P.cluster, 32, Constraints())
+    assert any(c.tp > 1 for c in cands) and not any(c.sp for c in cands)
+    res = P.plan(Constraints(), top=3)
+    assert res.entries and not res.rejected
+    from megatron_memguard.planner.space import Candidate
+    with pytest.raises((ConfigError, ConfigErrors), match="replace_with_linear"):
+        P.layout(Candidate(2, 1, 1, 1, None, None, True, 1, "none", True, 4, 8, (4,)))      # TP 2 with SP: refused
