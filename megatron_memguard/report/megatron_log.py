@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..errors import ReaderError
+from .logfile import open_log
 
 MiB = 1024 * 1024
 MAX_LINE = 1 << 16                 # longer lines (a progress bar without newlines) are cut, not read whole
@@ -262,7 +263,7 @@ def find_log_files(paths: Sequence[str]) -> list[str]:
 
 def _lines(path: str) -> Iterable[tuple[int, str]]:
     try:
-        f = open(path, encoding="utf-8", errors="replace")
+        f = open_log(path)     # (a sparse file's holes left out; UTF-16 by its byte-order mark)
     except OSError as e:
         raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
     with f:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterable, Iterator, Sequence
 
 from ..errors import ReaderError
+from .logfile import open_log
 from ..files import json_int
 from ..numbers import INT64_MAX, shown
 from ..runtime.monitor import COMPARED
@@ -258,7 +259,7 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
     last_pred: Any = None
     rank: int | None = None
     try:
-        f = open(path, encoding="utf-8", errors="replace")  # binary garbage: a bad line, not a traceback
+        f = open_log(path)  # binary garbage: a bad line, not a traceback (a sparse file's holes left out)
     except OSError as e:
         raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
 
