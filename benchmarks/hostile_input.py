@@ -1220,7 +1220,7 @@ def hostile17_cases(d: str):
             yield f"estimate --heterogeneous-layers-config-path {kind}", [
                 "estimate", "--world-size", "8", "--", *S, "--heterogeneous-layers-config-path", p], {}
     # -- site profiles with hostile values, in every command that reads one ---------------------------------------------
-    head2 = "schema: memguard.site/2\nmemguard_version: 0.1.0\ngpu: H100-80GB\n"
+    head2 = "schema: memguard.site/2\nmemguard_version: 0.1.0.dev0\ngpu: H100-80GB\n"
     profiles = {f"time.{k}={v}": f"{head2}time: {{{k}: {v}}}\n" for k in ("gemm_efficiency", "attention_efficiency", "network_gbps")
                 for v in (".nan", "-.inf", ".inf", "-0.5", "0", "1e400", "'0.7'", "x", "true", "[0.7]", "{a: 1}", "null", "~",
                           "0x10", "1e-320", "72001", "0.009", "9" * 5000)}
@@ -1296,7 +1296,7 @@ def hostile17_cases(d: str):
         bad_its[f"iteration number {v!r}"] = [its[0], its[1].replace("      10/", f" {v}/"), its[2]]
         bad_its[f"of total {v!r}"] = [its[0], its[1].replace("/     100", f"/ {v}"), its[2]]
     bad_its.update({"only the warm-up line": its[:1], "no iteration line": [], "the warm-up line 1,000 times": its[:1] * 1000,
-                    "one line 4,000 times": [its[1]] * 4_000, "iterations backwards": its[::-1],
+                    "one line 1,000 times": [its[1]] * 1_000, "iterations backwards": its[::-1],
                     "a line cut mid-number": [its[0], its[1][:its[1].index("1200") + 2], its[2]],
                     "lines cut in half": [x[:len(x) // 2] for x in its], "lines spliced": ["".join(its)],
                     "a 64 KiB line": [its[0], its[1] + "x" * 65_536, its[2]], "NUL inside": [x.replace("|", "\x00|", 2) for x in its],
