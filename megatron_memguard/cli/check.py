@@ -245,7 +245,7 @@ def _shell_error(e: ConfigError, shell: Mapping[str, str]) -> ConfigError:
     """``e`` about an override whose value is shell text memguard kept: the construct and its line instead of the
     reader's view of the text ("must be an integer, got '$(nproc)'")."""
     from ..readers.megatron_flags import unevaluated_fix
-    if e.key not in shell:
+    if e.key not in shell or ("$(" not in e.rule and "`" not in e.rule):   # (a rule the key breaks whatever its value)
         return e
     return ConfigError(e.key, f"is {shell[e.key]}", unevaluated_fix(e.key))
 

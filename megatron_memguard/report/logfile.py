@@ -6,8 +6,8 @@ Two things a log file can hold that the readers should not spend seconds on or m
   where no data was written. The readers drop NULs (a lost write's padding), so the holes are left out without
   being read: ``lseek(SEEK_DATA / SEEK_HOLE)`` finds the data, and a 2 GiB sparse file is read in milliseconds
   (it took 2-8 s of CPU).
-* **UTF-16 / UTF-32 text** with its byte-order mark (Windows PowerShell's ``>`` writes UTF-16): read in that
-  encoding, not as UTF-8 with a NUL after every character (no line was found in it).
+* **UTF-16 / UTF-32 text** with its byte-order mark (Windows PowerShell's ``>`` writes UTF-16): decoded in that
+  encoding (read as UTF-8, dropping the NULs beside each character kept its ASCII characters only).
 
 Anything else is UTF-8, undecodable bytes replaced (binary garbage is a bad line, not an exception).
 """
