@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile14, hostile15, hostile16)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile15, hostile16, hostile17)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -38,7 +38,11 @@ in every reader, launch-script arrays / appends / heredocs / 470,000 words, plan
 that are numpy scalars or tensors (issue hostile14); launch-script positional parameters, functions, eval, slices,
 lengths and arithmetic, MoE-only flags on dense models and Bridge bool fields given any value (issue hostile15); bash's
 pattern / case / indirection operators and command substitutions, NeMo 1 / Bridge YAML with nesting, alias bombs, NaN /
-inf, BOM, CRLF, tabs and look-alike keys, unicode dashes in flags and plan's options (issue hostile16). Prints, per command, the number of runs, how many broke the
+inf, BOM, CRLF, tabs and look-alike keys, unicode dashes in flags and plan's options (issue hostile16); named pipes, 2 GiB sparse
+files, UTF-16 / UTF-32 / Latin-1 files at every config, log and profile argument and MEMGUARD_PROFILE, calibrate on hostile
+iteration and memory lines, site profiles with hostile time constants, schemas and GPUs in every command, damaged runtime
+JSONL, plan --explain with other options, NeMo / Bridge overrides holding command substitutions and MEMGUARD_* variables
+(issue hostile17). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.

@@ -173,7 +173,9 @@ def _reported(capsys, hook, where: str) -> None:
 
 def test_the_one_import_in_pretrain_gpt_survives_a_bug_while_installing(hook_state, monkeypatch, capsys):
     # 'import megatron_memguard.megatron' ran install() unguarded: a bug there raised out of pretrain_gpt.py's import
+    import megatron_memguard
     monkeypatch.setattr(hook_state, "_import", _boom)
+    monkeypatch.setattr(megatron_memguard, "megatron", sys.modules["megatron_memguard.megatron"])   # (restored after)
     monkeypatch.delitem(sys.modules, "megatron_memguard.megatron")
     mod = importlib.import_module("megatron_memguard.megatron")
     assert mod.STATE is hook_state.STATE
