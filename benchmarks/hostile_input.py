@@ -2073,6 +2073,7 @@ def big_logs(d: str) -> None:
             sample["iteration"] = i
             f.write(json.dumps(sample) + "\n")
     for label, args in (("report 10**6 Megatron memory lines", ["report", path]),
+                        ("calibrate 10**6 Megatron memory lines", ["calibrate", path]),      # (one run: read, then refused)
                         ("report 10**6 JSONL samples", ["report", os.path.join(d, "jsonl")])):
         o = run_memguard(args, wall_limit=600)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -91,12 +91,15 @@ def unevaluated_overrides(tokens: Iterable[str], kept: Mapping[str, int]) -> dic
     (memguard's own ``--set``) replaces the text, as it replaces the value."""
     from ._common import is_override_token
     out: dict[str, str] = {}
+    seen: dict[str, str | None] = {}     # (a launch line repeating one value 30,000 times reads it once)
     for tok in tokens:
         tok = str(tok)
         if not is_override_token(tok) or "=" not in tok:
             continue
         key, value = tok.split("=", 1)
-        what = _unevaluated(value, kept)
+        if value not in seen:
+            seen[value] = _unevaluated(value, kept)
+        what = seen[value]
         out.pop(key.lstrip("+"), None)
         if what:
             out[key.lstrip("+")] = what
