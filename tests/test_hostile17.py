@@ -131,6 +131,23 @@ def test_a_named_pipe_nobody_writes_to_as_a_site_profile_does_not_hang(tmp_path)
         mg_files.PIPE_WAIT = old
 
 
+@pytest.mark.parametrize("record, field, value", [
+    (1, "allocated", "-1"), (1, "max_reserved", "8.5"), (0, "peak_allocated", "-4096"), (2, "actual_bytes", "-1"),
+    (4, "alloc_bytes", "0.5"),
+])
+def test_a_runtime_record_with_a_negative_or_fractional_byte_count_is_refused_by_its_field(record, field, value):
+    # torch.cuda.memory_stats counts whole bytes >= 0; the report drew -1 B and 8.5 B as readings
+    import json
+
+    from fuzz_util import RUNLOG
+    lines = [json.dumps(r) for r in RUNLOG]
+    lines[record] = lines[record].replace(f'"{field}": ', f'"{field}": {value}, "_{field}": ', 1)
+    err = _one_error(run_memguard(["report", "."], {"memguard-rank00000.jsonl": "\n".join(lines) + "\n"}))
+    assert f"line {record + 1}: '" in err and f"{field}': expected a byte count (a whole number >= 0), got {value}" in err, err
+    o = run_memguard(["report", ".", "--skip-bad-lines"], {"memguard-rank00000.jsonl": "\n".join(lines) + "\n"})
+    assert o.code in (0, 1) and not o.problems and "skipped" in o.err, o.describe()
+
+
 # -- site profiles no memguard wrote --------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, key, rule", [
     ("schema: memguard.site/0\n", "schema", "no memguard wrote that schema"),
