@@ -266,3 +266,27 @@ def test_the_bridge_wrapper_survives_a_bug_making_its_callback(monkeypatch, caps
     assert "[memguard] internal error in setting up the runtime monitor (RuntimeError: injected memguard bug)" in err, err
     for m in [m for m in sys.modules if m.startswith("megatron.bridge")]:
         del sys.modules[m]
+
+
+def test_the_lightning_callback_survives_a_bug_in_each_of_its_hooks(monkeypatch):
+    pytest.importorskip("lightning.pytorch")
+    torch = pytest.importorskip("torch")
+    import types
+
+    import megatron_memguard.lightning as ml
+    from e2e.recording import RecordingSource
+    lines: list[str] = []
+    cb = ml.MemguardCallback(source=RecordingSource(), world_size=1, gpu_memory="1GiB", emit=lines.append)
+    trainer = types.SimpleNamespace(world_size=1, global_rank=0, log_every_n_steps=1, loggers=[], global_step=1,
+                                    strategy=object())
+    module = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(ml, "raw_config", _boom)                 # reading the trainer: the pre-flight's internal error
+    cb.setup(trainer, module, "fit")
+    assert cb.result.action == "skipped" and "internal error" in lines[-1] and "training continues" in lines[-1]
+    monkeypatch.setattr(ml, "build_monitor", _boom)              # the runtime monitor
+    cb.on_train_start(trainer, module)
+    assert cb.monitor is None and cb.report.errors == 1
+    cb.monitor = _BrokenMonitor()                                  # a sample, the summary
+    cb.on_train_batch_end(trainer, module, None, None, 0)
+    cb.on_exception(trainer, module, RuntimeError("training's own"))
+    assert cb.report.errors == 3
