@@ -163,6 +163,33 @@ def test_a_site_profile_schema_or_gpu_no_memguard_wrote_is_refused_by_its_key(te
         assert f"--site-profile p.yaml: {key}: " in err and rule in err, err
 
 
+@pytest.mark.parametrize("option", [["--site-profile", "p.yaml"], ["--config", "nothere.yaml"], ["--gpu", "H200-141GB"],
+                                    ["--model", "llama32_1b"], ["--set", "model.num_layers=2"], ["--env", "NCCL_BUFFSIZE=1"]])
+def test_report_of_runtime_jsonl_refuses_the_options_of_a_megatron_log_prediction(option):
+    # they were ignored without a word (a broken --site-profile, a --config that does not exist): the JSONL files carry
+    # the predictions the hook made at run time, as the flags after -- were already refused
+    import json
+
+    from fuzz_util import RUNLOG
+    files = {"memguard-rank00000.jsonl": "\n".join(json.dumps(r) for r in RUNLOG) + "\n",
+             "p.yaml": "schema: memguard.site/1\n"}
+    err = _one_error(run_memguard(["report", ".", *option], files))
+    assert err.startswith(f"memguard: error: {option[0]}: applies to Megatron logs") and "run time" in err, err
+
+
+@pytest.mark.parametrize("launch, key", [
+    ("MEMGUARD_PROFILE=p.yaml {run}", "the launch's MEMGUARD_PROFILE"),
+    ("{run} --memguard-profile p.yaml", "the launch's --memguard-profile"),
+])
+def test_a_launch_s_own_site_profile_is_named_by_where_the_launch_gives_it(launch, key):
+    # it was named "--site-profile", an option the user did not give
+    from test_hostile15 import RUN, S
+    run = RUN + S + " --global-batch-size 16"
+    err = _one_error(run_memguard(["check", "--file", "run.sh"], {
+        "run.sh": launch.format(run=run) + "\n", "p.yaml": "schema: memguard.site/2\ngpu: H100-80GB\ntime: {network_gbps: x}\n"}))
+    assert f"{key} p.yaml: time.network_gbps: expects a number" in err, err
+
+
 # -- a memguard bug in each entry point: reported once, training goes on -----------------------------------------------
 def _boom(*a, **k):
     raise RuntimeError("injected memguard bug")

@@ -136,6 +136,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
 
     if not ns.site_profile and cmd.env.get("MEMGUARD_PROFILE"):  # the hook would read the launch's variable
         ns.site_profile = here(cmd.env["MEMGUARD_PROFILE"])
+        ns.site_profile_key = "the launch's MEMGUARD_PROFILE"     # (its errors name where the path came from)
         notes.append(f"site profile {ns.site_profile} from the launch's MEMGUARD_PROFILE")
 
     if sa.kind == "megatron":
@@ -161,6 +162,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
                 ns.gpu_memory = hook["--memguard-gpu-memory"]
             if not ns.site_profile and hook.get("--memguard-profile"):
                 ns.site_profile = here(hook["--memguard-profile"])
+                ns.site_profile_key = "the launch's --memguard-profile"
                 notes.append(f"site profile {ns.site_profile} from the launch's --memguard-profile")
         raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags",
                                    expand=False, kept=cmd.kept)
