@@ -20,6 +20,9 @@ import stat
 from typing import IO
 
 BUFFER = 1 << 20     # bytes per read: two lseek calls per MiB, nothing next to reading it
+# files from this size on are read around their holes; smaller ones as they are (a /proc or /sys file has size 0 and
+# data, which SEEK_DATA would call a hole)
+SPARSE_MIN = 16 << 20
 
 
 class _DataOnly(io.RawIOBase):
@@ -73,12 +76,20 @@ def open_log(path: str) -> IO[str]:
     # (O_NONBLOCK: opening a named pipe nobody writes to would wait forever; the readers take regular files only)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return open(path, encoding="utf-8", errors="replace")
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return open(path, encoding="utf-8", errors="replace")
+    try:
         os.set_blocking(fd, True)
-        enc = _encoding(os.pread(fd, 4, 0))
-        raw = _DataOnly(fd)
+        try:
+            enc = _encoding(os.pread(fd, 4, 0))
+        except OSError:      # (a file that opens but cannot be read: the readers name the line the read fails at)
+            enc = "utf-8"
+        raw: io.RawIOBase = _DataOnly(fd) if st.st_size >= SPARSE_MIN else io.FileIO(fd, "r", closefd=True)
     except BaseException:
         os.close(fd)
         raise
