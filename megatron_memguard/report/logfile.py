@@ -5,7 +5,7 @@ Two things a log file can hold that the readers should not spend seconds on or m
 * **holes**: a sparse file (a job that died after its file was extended, ``truncate -s 2G``) reads as NUL bytes
   where no data was written. The readers drop NULs (a lost write's padding), so the holes are left out without
   being read: ``lseek(SEEK_DATA / SEEK_HOLE)`` finds the data, and a 2 GiB sparse file is read in milliseconds
-  (it took 2-8 s of CPU).
+  (it took 2-8 s of CPU). Only files of SPARSE_MIN bytes and more: a /proc file says size 0 and holds data.
 * **UTF-16 / UTF-32 text** with its byte-order mark (Windows PowerShell's ``>`` writes UTF-16): decoded in that
   encoding (read as UTF-8, dropping the NULs beside each character kept its ASCII characters only).
 
