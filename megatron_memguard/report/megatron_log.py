@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..errors import ReaderError
-from .logfile import open_log
 
 MiB = 1024 * 1024
 MAX_LINE = 1 << 16                 # longer lines (a progress bar without newlines) are cut, not read whole
@@ -262,6 +261,7 @@ def find_log_files(paths: Sequence[str]) -> list[str]:
 
 
 def _lines(path: str) -> Iterable[tuple[int, str]]:
+    from .logfile import open_log
     try:
         f = open_log(path)     # (a sparse file's holes left out; UTF-16 by its byte-order mark)
     except OSError as e:
