@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile14, hostile15, hostile16)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile15, hostile16, hostile17)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -38,7 +38,11 @@ in every reader, launch-script arrays / appends / heredocs / 470,000 words, plan
 that are numpy scalars or tensors (issue hostile14); launch-script positional parameters, functions, eval, slices,
 lengths and arithmetic, MoE-only flags on dense models and Bridge bool fields given any value (issue hostile15); bash's
 pattern / case / indirection operators and command substitutions, NeMo 1 / Bridge YAML with nesting, alias bombs, NaN /
-inf, BOM, CRLF, tabs and look-alike keys, unicode dashes in flags and plan's options (issue hostile16). Prints, per command, the number of runs, how many broke the
+inf, BOM, CRLF, tabs and look-alike keys, unicode dashes in flags and plan's options (issue hostile16); named pipes, 2 GiB sparse
+files, UTF-16 / UTF-32 / Latin-1 files at every config, log and profile argument and MEMGUARD_PROFILE, calibrate on hostile
+iteration and memory lines, site profiles with hostile time constants, schemas and GPUs in every command, damaged runtime
+JSONL, plan --explain with other options, NeMo / Bridge overrides holding command substitutions and MEMGUARD_* variables
+(issue hostile17). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -1126,6 +1130,267 @@ def hostile16_cases():
     yield "plan --config run.sh with ${X^^}", [*plan, "--config", "run.sh"], {"run.sh": f"X=bf16\n{run}{s} --${{X,,}}\n"}
 
 
+def hostile17_files(d: str) -> dict[str, str]:
+    """Files that are no regular text file, made in ``d`` (named ``*.yaml`` / ``*.log`` / ``*.jsonl`` so every reader
+    takes them by name): a named pipe nobody writes to, a 2 GiB sparse file, a file nobody may read (mode 000; root
+    reads it all the same), Latin-1 and lone 0xff bytes, UTF-16 with and without its BOM, UTF-32, an empty file, a
+    directory and a symlink loop; and /dev/zero, /dev/urandom."""
+    out = {}
+    for ext in ("yaml", "log", "jsonl", "json"):
+        sub = os.path.join(d, "h17-" + ext)
+        os.makedirs(sub, exist_ok=True)
+        paths = {}
+        fifo = os.path.join(sub, f"fifo.{ext}")
+        if not os.path.exists(fifo):
+            os.mkfifo(fifo)
+        paths["a named pipe"] = fifo
+        sparse = os.path.join(sub, f"sparse.{ext}")
+        with open(sparse, "wb") as f:
+            f.truncate(2 * 2**30)
+        paths["a 2 GiB sparse file"] = sparse
+        text = "schema: memguard.site/1\nconstants: {cuda_context: 600MiB}\n"
+        for label, data in (("mode 000", text.encode()), ("Latin-1", "name: caf\xe9\n".encode("latin-1") + text.encode()),
+                            ("0xff bytes", b"\xff\xfe\xff" * 100), ("UTF-16 BOM", text.encode("utf-16")),
+                            ("UTF-16-LE no BOM", text.encode("utf-16-le")), ("UTF-32", text.encode("utf-32")),
+                            ("empty", b"")):
+            path = os.path.join(sub, label.replace(" ", "_") + "." + ext)
+            with open(path, "wb") as f:
+                f.write(data)
+            if label == "mode 000":
+                os.chmod(path, 0)
+            paths[label] = path
+        paths["a directory"] = os.path.join(sub, "dir." + ext)
+        os.makedirs(paths["a directory"], exist_ok=True)
+        loop = os.path.join(sub, "loop." + ext)
+        if not os.path.lexists(loop):
+            os.symlink(loop, loop)
+        paths["a symlink loop"] = loop
+        paths.update({"/dev/zero": "/dev/zero", "/dev/urandom": "/dev/urandom"})
+        out.update({f"{ext} {k}": v for k, v in paths.items()})
+    return out
+
+
+def hostile17_cases(d: str):
+    """Issue hostile17 (the seventeenth round), over the surfaces earlier rounds touched least: files that are no regular
+    text file (hostile17_files) at every argument and variable that names a config, log or profile; memguard calibrate on
+    binary, cut, mixed-era Megatron logs with NaN / inf / negative / huge iteration and memory values, duplicate ranks
+    and only a warm-up iteration; site profiles (schema /1 and /2) with hostile time constants, unknown keys and newer
+    schemas in every command that takes --site-profile, the launch's --memguard-profile or MEMGUARD_PROFILE; memguard
+    report on damaged runtime JSONL; memguard plan --explain with option combinations; NeMo / Bridge overrides of a
+    launch line holding command substitutions; and the MEMGUARD_* variables. ``d``: a directory for the files."""
+    from megatron_logs import args_of, print_args, report_memory, training_log
+    from test_calibrate_time import iteration_line
+    files = hostile17_files(d)
+    run = "torchrun --nproc-per-node 8 pretrain_gpt.py "
+    s = " ".join(S) + " --global-batch-size 16"
+    prof_opt = ["--site-profile"]
+    jsonl = {"memguard-rank00000.jsonl": json.dumps(RUNLOG[0]) + "\n" + json.dumps(RUNLOG[1]) + "\n"}
+    log_text = "\n".join(print_args(args_of([*S, "--train-iters", "10"], 8))) + "\n" + \
+        "\n".join(report_memory(r, "(after 1 iterations)", 2**30, 2**31, 2**31 + 2**29, 2**31 + 2**30, 2**32)
+                  for r in range(8)) + "\n"
+    # -- files that are no regular text file, everywhere a file is named ----------------------------------------------
+    for kind, p in files.items():
+        ext = kind.split()[0]
+        if ext == "yaml":
+            yield f"estimate --config {kind}", ["estimate", "--config", p, "--world-size", "8"], {}
+            yield f"validate {kind}", ["validate", p, "--gpus", "8"], {}
+            yield f"plan --config {kind}", [*PLAN, "--config", p], {}
+            yield f"estimate --yaml-cfg {kind}", ["estimate", "--world-size", "8", "--", "--yaml-cfg", p], {}
+            yield f"estimate --tp-comm-overlap-cfg {kind}", ["estimate", "--world-size", "8", "--", *S, "--sequence-parallel",
+                                                             "--tensor-model-parallel-size", "2", "--tp-comm-overlap",
+                                                             "--tp-comm-overlap-cfg", p], {}
+            for cmd in (["estimate", "--world-size", "8", "--", *S], ["validate", "--world-size", "8", "--", *S],
+                        [*PLAN, "--", *S], ["check", "--", *run.split(), *S],
+                        ["report", "."], ["calibrate", "a.log", "b.log", "c.log"]):
+                files_ = jsonl if cmd[0] == "report" else {n: log_text for n in ("a.log", "b.log", "c.log")} \
+                    if cmd[0] == "calibrate" else {}
+                at = cmd.index("--") if "--" in cmd else len(cmd)
+                yield f"{cmd[0]} --site-profile {kind}", [*cmd[:at], *prof_opt, p, *cmd[at:]], files_
+                yield f"{cmd[0]} MEMGUARD_PROFILE={kind}", cmd, files_, {"MEMGUARD_PROFILE": p}
+            yield f"check launch MEMGUARD_PROFILE={kind}", ["check", "--file", "run.sh"], {
+                "run.sh": f"export MEMGUARD_PROFILE={p}\n{run}{s}\n"}
+            yield f"check launch --memguard-profile {kind}", ["check", "--file", "run.sh"], {
+                "run.sh": f"{run}{s} --memguard-profile {p}\n"}
+        elif ext == "log":
+            yield f"report {kind}", ["report", p], {}
+            yield f"report --format megatron {kind}", ["report", "--format", "megatron", p], {}
+            yield f"calibrate {kind}", ["calibrate", p, "a.log", "b.log"], {"a.log": log_text, "b.log": log_text}
+            yield f"check --file {kind}", ["check", "--file", p], {}
+            yield f"estimate --config run.sh at {kind}", ["estimate", "--config", p], {}
+        elif ext == "jsonl":
+            yield f"report jsonl {kind}", ["report", "--format", "jsonl", p], {}
+        else:
+            yield f"estimate --model {kind}", ["estimate", "--model", p, "--world-size", "8"], {}
+            yield f"estimate --heterogeneous-layers-config-path {kind}", [
+                "estimate", "--world-size", "8", "--", *S, "--heterogeneous-layers-config-path", p], {}
+    # -- site profiles with hostile values, in every command that reads one ---------------------------------------------
+    head2 = "schema: memguard.site/2\nmemguard_version: 0.1.0.dev0\ngpu: H100-80GB\n"
+    profiles = {f"time.{k}={v}": f"{head2}time: {{{k}: {v}}}\n" for k in ("gemm_efficiency", "attention_efficiency", "network_gbps")
+                for v in (".nan", "-.inf", ".inf", "-0.5", "0", "1e400", "'0.7'", "x", "true", "[0.7]", "{a: 1}", "null", "~",
+                          "0x10", "1e-320", "72001", "0.009", "9" * 5000)}
+    profiles.update({
+        "time without gpu": "schema: memguard.site/2\ntime: {gemm_efficiency: 0.7}\n",
+        "time on schema /1": "schema: memguard.site/1\ngpu: H100-80GB\ntime: {gemm_efficiency: 0.7}\n",
+        "time on an unknown gpu": "schema: memguard.site/2\ngpu: Z9000\ntime: {gemm_efficiency: 0.7}\n",
+        "gpu a list": "schema: memguard.site/2\ngpu: [H100-80GB]\ntime: {gemm_efficiency: 0.7}\n",
+        "gpu 5000 chars": "schema: memguard.site/2\ngpu: " + "H" * 5000 + "\ntime: {gemm_efficiency: 0.7}\n",
+        "time unknown key": f"{head2}time: {{gemm_eff: 0.7}}\n", "time a list": f"{head2}time: [0.7]\n",
+        "time a string": f"{head2}time: fast\n", "time 10,000 keys": head2 + "time: {" + ", ".join(f"k{i}: 1" for i in range(10_000)) + "}\n",
+        "time empty": f"{head2}time: {{}}\n", "time null": f"{head2}time: ~\n",
+        "unknown top key": f"{head2}extra: 1\n", "schema /3": "schema: memguard.site/3\n",
+        "schema /999999": "schema: memguard.site/999999\n", "schema /0": "schema: memguard.site/0\n",
+        "schema /-1": "schema: memguard.site/-1\n", "schema /1.5": "schema: memguard.site/1.5\n",
+        "schema /02": "schema: memguard.site/02\n", "schema number": "schema: 2\n", "no schema": "constants: {}\n",
+        "schema with 5000 digits": "schema: memguard.site/" + "9" * 5000 + "\n",
+        "newer version": "schema: memguard.site/2\nmemguard_version: 99.0\n",
+        "version 5000 digits": "schema: memguard.site/2\nmemguard_version: '" + "9" * 5000 + "'\n",
+        "version a number": "schema: memguard.site/2\nmemguard_version: 0.1\n",
+        "constants.cuda_context .nan": "schema: memguard.site/1\nconstants: {cuda_context: .nan}\n",
+        "constants.cuda_context -1": "schema: memguard.site/1\nconstants: {cuda_context: -1}\n",
+        "constants.allocator_fragmentation 'nan%'": "schema: memguard.site/1\nconstants: {allocator_fragmentation: 'nan%'}\n",
+        "constants.allocator_fragmentation 'inf%'": "schema: memguard.site/1\nconstants: {allocator_fragmentation: 'inf%'}\n",
+        "constants.allocator_fragmentation '1e400%'": "schema: memguard.site/1\nconstants: {allocator_fragmentation: '1e400%'}\n",
+        "constants.nccl_per_communicator 1e400MiB": "schema: memguard.site/1\nconstants: {nccl_per_communicator: 1e400MiB}\n",
+        "constants.cuda_context 1e30": "schema: memguard.site/1\nconstants: {cuda_context: 1e30}\n",
+        "constants.cuda_context 2**70": f"schema: memguard.site/1\nconstants: {{cuda_context: {2**70}}}\n",
+        "fit a list": "schema: memguard.site/1\nfit: [1]\n", "created a list": "schema: memguard.site/1\ncreated: [1]\n",
+        "created a date": "schema: memguard.site/1\ncreated: 2026-01-01\n", "name a mapping": "schema: memguard.site/1\nname: {a: 1}\n",
+        "a YAML list": "- schema: memguard.site/1\n", "a scalar": "memguard.site/1\n", "two documents": "schema: memguard.site/1\n---\nx: 1\n",
+        "BOM": "\ufeffschema: memguard.site/2\ngpu: H100-80GB\ntime: {gemm_efficiency: 0.7}\n",
+        "CRLF": "schema: memguard.site/2\r\ngpu: H100-80GB\r\ntime: {gemm_efficiency: 0.7}\r\n",
+        "alias bomb": "schema: memguard.site/1\nfit: " + alias_bomb(8, 10) + "\n"})
+    plan_gpu = [*PLAN, "--gpu", "H100-80GB"]
+    for label, text in profiles.items():
+        for cmd in (["estimate", "--world-size", "8", "--site-profile", "p.yaml", "--", *S],
+                    ["validate", "--world-size", "8", "--site-profile", "p.yaml", "--", *S],
+                    ["check", "--site-profile", "p.yaml", "--", *run.split(), *S],
+                    [*plan_gpu, "--site-profile", "p.yaml", "--", *S], ["plan", "--site-profile", "p.yaml", *PLAN[1:], "--", *S],
+                    [*plan_gpu, "--site-profile", "p.yaml", "--explain", "tp=1,pp=1,cp=1,mbs=1", "--", *S],
+                    ["report", ".", "--site-profile", "p.yaml"], ["calibrate", "a.log", "b.log", "c.log", "--site-profile", "p.yaml"]):
+            files_ = dict(jsonl) if cmd[0] == "report" else {n: log_text for n in ("a.log", "b.log", "c.log")} \
+                if cmd[0] == "calibrate" else {}
+            yield f"{cmd[0]} --site-profile {label[:40]}", cmd, {**files_, "p.yaml": text}
+        yield f"estimate MEMGUARD_PROFILE {label[:40]}", ["estimate", "--world-size", "8", "--", *S], {"p.yaml": text}, \
+            {"MEMGUARD_PROFILE": "p.yaml"}
+        yield f"plan MEMGUARD_PROFILE {label[:40]}", [*PLAN, "--", *S], {"p.yaml": text}, {"MEMGUARD_PROFILE": "p.yaml"}
+        yield f"check launch --memguard-profile {label[:40]}", ["check", "--file", "run.sh"], {
+            "p.yaml": text, "run.sh": f"{run}{s} --memguard-profile p.yaml\n"}
+        yield f"check launch MEMGUARD_PROFILE {label[:40]}", ["check", "--file", "run.sh"], {
+            "p.yaml": text, "run.sh": f"MEMGUARD_PROFILE=p.yaml {run}{s}\n"}
+    # -- memguard calibrate on hostile Megatron logs ----------------------------------------------------------------
+    def mlog(flags: list[str], ws: int, its: list[str], mem_era: str = "0.19", ranks: list[int] | None = None,
+             alloc: str | None = None) -> str:
+        mem = [report_memory(r, "(after 10 iterations)", 2**30, 2**31, 2**31 + 2**29, 2**31 + 2**30,
+                             device_used=2**32 if mem_era != "old" else None, era=mem_era) for r in (ranks or range(ws))]
+        if alloc is not None:
+            mem = [m.replace("| allocated: 1024.00", f"| allocated: {alloc}").replace("| allocated: 1024.0", f"| allocated: {alloc}")
+                   for m in mem]
+        return "\n".join(print_args(args_of(flags, ws))) + "\n" + "\n".join(its) + "\n" + "\n".join(mem) + "\n"
+    its = [iteration_line(1, 100, 9000.0, 10.0), iteration_line(10, 100, 1200.0, 150.0), iteration_line(20, 100, 1210.0, 149.0)]
+    base = [[*S, "--global-batch-size", "16", "--train-iters", "100"],
+            [*S, "--global-batch-size", "16", "--train-iters", "100", "--recompute-activations"],
+            [*S, "--global-batch-size", "32", "--train-iters", "100"]]
+    good = {f"r{i}.log": mlog(f, 8, its) for i, f in enumerate(base)}
+    calib = ["calibrate", "r0.log", "r1.log", "r2.log", "--gpu", "H100-80GB"]
+    bad_its = {}
+    for v in ("nan", "inf", "-inf", "-1200.0", "0.0", "1e400", "9" * 400, "1e-320", "1,200.0", "0x10", "", "x"):
+        bad_its[f"elapsed {v!r}"] = [its[0], its[1].replace("1200.0", v), its[2].replace("1210.0", v)]
+        bad_its[f"TFLOP/s {v!r}"] = [its[0], its[1].replace("150.0", v), its[2].replace("149.0", v)]
+    for v in ("-1", "0", "9" * 400, "1e400", "x", "nan"):
+        bad_its[f"iteration number {v!r}"] = [its[0], its[1].replace("      10/", f" {v}/"), its[2]]
+        bad_its[f"of total {v!r}"] = [its[0], its[1].replace("/     100", f"/ {v}"), its[2]]
+    bad_its.update({"only the warm-up line": its[:1], "no iteration line": [], "the warm-up line 1,000 times": its[:1] * 1000,
+                    "one line 1,000 times": [its[1]] * 1_000, "iterations backwards": its[::-1],
+                    "a line cut mid-number": [its[0], its[1][:its[1].index("1200") + 2], its[2]],
+                    "lines cut in half": [x[:len(x) // 2] for x in its], "lines spliced": ["".join(its)],
+                    "a 64 KiB line": [its[0], its[1] + "x" * 65_536, its[2]], "NUL inside": [x.replace("|", "\x00|", 2) for x in its],
+                    "colour codes": ["\x1b[32m" + x + "\x1b[0m" for x in its], "CR progress": ["\r".join(its)]})
+    for label, lines in bad_its.items():
+        yield f"calibrate iteration lines {label}", calib, {**good, "r2.log": mlog(base[2], 8, lines)}
+        yield f"calibrate all runs' iteration lines {label}", calib, {n: mlog(f, 8, lines) for n, f in zip(good, base)}
+    for v in ("nan", "inf", "-inf", "-1024.00", "1e400", "9" * 400, "1e-320", "0"):
+        yield f"calibrate memory allocated {v!r}", calib, {**good, "r2.log": mlog(base[2], 8, its, alloc=v)}
+        yield f"report memory allocated {v!r}", ["report", "r2.log"], {"r2.log": mlog(base[2], 8, its, alloc=v)}
+    yield "calibrate duplicate ranks", calib, {**good, "r2.log": mlog(base[2], 8, its, ranks=[0, 0, 0, 1, 1, 2, 2, 2])}
+    yield "calibrate rank 7 only, 1,000 times", calib, {**good, "r2.log": mlog(base[2], 8, its, ranks=[7] * 1000)}
+    yield "calibrate mixed eras", calib, {**good, "r2.log": mlog(base[2], 8, its, mem_era="old")}
+    yield "calibrate mixed eras in one log", calib, {**good, "r2.log": mlog(base[2], 8, its) + mlog(base[2], 8, its, mem_era="old")}
+    yield "calibrate an old-era log", ["calibrate", "r0.log", "r1.log", "r2.log"], {
+        n: mlog(f, 8, [training_log(10, 100, 80, 16)], mem_era="old") for n, f in zip(good, base)}
+    yield "calibrate binary", calib, {**good, "r2.log": bytes(range(256)) * 3000}
+    yield "calibrate binary with an argument table", calib, {**good, "r2.log": good["r2.log"].encode() + bytes(range(256)) * 2000}
+    yield "calibrate cut in the argument table", calib, {**good, "r2.log": good["r2.log"][:500]}
+    yield "calibrate 5,000 memory lines", calib, {**good, "r2.log": good["r2.log"] + "\n".join(
+        report_memory(i % 8, f"(after {i} iterations)", 2**30, 2**31, 2**31, 2**31) for i in range(5_000)) + "\n"}
+    yield "calibrate the same run three times", ["calibrate", "r0.log", "r0.log", "r0.log", "--gpu", "H100-80GB"], good
+    yield "calibrate --fit time constants, memory lines only", [*calib, "--fit", "gemm_efficiency"], {
+        n: mlog(f, 8, []) for n, f in zip(good, base)}
+    yield "calibrate --out at a FIFO", [*calib, "--out", files["yaml a named pipe"]], good
+    # -- memguard report on damaged runtime JSONL -------------------------------------------------------------------
+    recs = [json.dumps(r) for r in RUNLOG]
+    text = "\n".join(recs) + "\n"
+    damaged = {"cut last line": text[:-20], "cut last line, no newline": text.rstrip("\n")[:-1],
+               "last line only '{'": text + "{", "a NUL at the end": text + "\x00" * 100, "binary tail": text.encode() + bytes(range(256)) * 100,
+               "Latin-1 byte": text.replace("sample", "sampl\xe9", 1).encode("latin-1", "replace"),
+               "UTF-16": text.encode("utf-16"), "CRLF": text.replace("\n", "\r\n"), "empty": "", "blank lines": "\n" * 10_000,
+               "1,000 start records": (recs[0] + "\n") * 1000, "only a summary": recs[-1] + "\n"}
+    for field in ("iteration", "actual_bytes", "predicted_bytes", "rank", "interval", "tolerance", "iterations", "alloc_bytes"):
+        for v in ('"8"', "8.5", "-1", "1e400", str(2**64), "9" * 4000, "NaN", "Infinity", "-Infinity", "true", "null", "[1]",
+                  '{"a": 1}', '""'):
+            t = text
+            for r in RUNLOG:
+                if field in r:
+                    t = t.replace(f'"{field}": {json.dumps(r[field])}', f'"{field}": {v}', 1)
+            damaged[f"{field}={v[:20]}"] = t
+    for key in ("allocated", "max_allocated", "reserved", "max_reserved", "device_used"):
+        for v in ("NaN", "-1", "1e400", '"1GiB"', "null", "[]"):
+            damaged[f"actual.{key}={v}"] = text.replace(f'"{key}": ', f'"{key}": {v}, "_{key}": ', 1)
+    for label, t in damaged.items():
+        for extra in ([], ["--skip-bad-lines"], ["--json"], ["--run", "all", "--all-ranks"]):
+            yield f"report jsonl {label} {' '.join(extra)}", ["report", ".", *extra], {"memguard-rank00000.jsonl": t}
+    # -- memguard plan --explain with option combinations ---------------------------------------------------------
+    plan = [*PLAN, "--model", "llama-3.2-1b"]
+    for ex in ("tp=1,pp=1,cp=1,mbs=1", "tp=2,pp=1,cp=1,mbs=1", "tp=8,pp=8,cp=8,mbs=8", "tp=1", "pp=1,tp=1,cp=1,mbs=1,mbs=2",
+               "tp=1,pp=1,cp=1,mbs=1,vpp=2", "tp=1,pp=1,cp=1,mbs=1,ep=2", "tp=1,pp=1,cp=1,mbs=1,recompute=full",
+               "tp=1,pp=1,cp=1,mbs=1,fsdp=optim", "tp=1,pp=1,cp=1,mbs=1,fp8=tensorwise", "tp=1,pp=1,cp=1,mbs=1,x=1", "=", ",",
+               "tp==1", "tp=1;pp=1", "TP1 PP1 CP1 MBS1", "tp=1e400,pp=1,cp=1,mbs=1", "tp=-1,pp=1,cp=1,mbs=1",
+               "tp=" + "9" * 5000, ",".join(["tp=1"] * 5000), "tp=1,pp=1,cp=1,mbs=1" + ",tp=1" * 1000):
+        for extra in ([], ["--top", "3"], ["--json"], ["--rule", "memory"], ["--tp", "2"], ["--tp", "1", "--pp", "1"],
+                      ["--recompute", "full"], ["--fp8", "tensorwise"], ["--network-gbps", "1"], ["--vpp", "2"],
+                      ["--plot-layouts", "3"], ["--gpu-memory", "1GiB"], ["--explain", "tp=1,pp=1,cp=1,mbs=1"]):
+            yield f"plan --explain {ex[:30]!r} {' '.join(extra)}", [*plan, "--explain", ex, *extra], {}
+    # -- NeMo / Bridge overrides of a launch line holding command substitutions (issue hostile17, part 1) ------------
+    from fuzz_util import YAML_SEEDS as _SEEDS
+    nemo = dict((n, t) for n, t, _ in _SEEDS)["nemo1_llama.yaml"]
+    hydra = "torchrun --nproc-per-node 8 megatron_gpt_pretraining.py --config-path=conf --config-name=c "
+    bridge = "torchrun --nproc-per-node 8 run_recipe.py --recipe llama32_1b_pretrain_config "
+    for v in ("$(nproc)", "`nproc`", "$(( $(nproc) * 2 ))", "$((N++))", "$(", "`", "$(echo \"$(echo ')')\")", "\"$(nproc)\"",
+              "$(cat <<EOF\n4\nEOF\n)", "$(x)" * 5000):
+        for key in ("model.tensor_model_parallel_size", "model.micro_batch_size", "model.seed", "+model.x", "trainer.devices",
+                    "trainer.num_nodes", "model.num_layers"):
+            yield f"check hydra {key}={v[:20]!r}", ["check", "--file", "run.sh"], {
+                "run.sh": f"{hydra}{key}={v}\n", "conf/c.yaml": nemo}
+            yield f"check hydra python {key}={v[:20]!r}", ["check", "--file", "run.sh"], {
+                "run.sh": f"X={v}\npython megatron_gpt_pretraining.py --config-path=conf --config-name=c {key}=$X\n",
+                "conf/c.yaml": nemo}
+        for key in ("model.tensor_model_parallel_size", "train.micro_batch_size", "train.global_batch_size", "model.seed",
+                    "rng.seed", "model.num_layers", "mixed_precision"):
+            yield f"check run_recipe {key}={v[:20]!r}", ["check", "--file", "run.sh"], {"run.sh": f"{bridge}{key}={v}\n"}
+    yield "check run_recipe 30,000 $(x) overrides", ["check", "--file", "run.sh"], {
+        "run.sh": bridge + " ".join(f"model.k{i}=$(x)" for i in range(30_000)) + "\n"}
+    # -- the MEMGUARD_* variables -----------------------------------------------------------------------------------
+    for var, vals in (("MEMGUARD_PROFILE", ["p.yaml", "\x01", " ", "p.yaml\n", "/", "x" * 5000]),
+                      ("MEMGUARD_THRESHOLD", ["0.8 ", "8e-1", "1e-400", "0x1", "\u0660.8", "80%", "1_0"]),
+                      ("MEMGUARD_GPU_MEMORY", ["80GiB ", "80 gib", "8e10", "0x10", "\u0668\u0660GiB", "1e-400GiB", "80GB"]),
+                      ("MEMGUARD_LOG_INTERVAL", ["1.0", "1e3", " 5", "\u0665"]), ("MEMGUARD_LOG_DIR", ["x" * 5000, "\x01"]),
+                      ("MEMGUARD", ["report ", "Warn", "abort\n"]), ("MEMGUARD_DEBUG", ["", "0"])):
+        for v in vals:
+            prof = {"p.yaml": f"{head2}time: {{gemm_efficiency: 0.7}}\n"}
+            yield f"estimate {var}={v[:20]!r}", ["estimate", "--world-size", "8", "--", *S], prof, {var: v}
+            yield f"check {var}={v[:20]!r}", ["check", "--", *run.split(), *S], prof, {var: v}
+            yield f"plan {var}={v[:20]!r}", [*PLAN, "--", *S], prof, {var: v}
+
+
 def hook14_cases() -> tuple[int, list[str], float, str]:
     """Issue hostile14: the hook's validate_args wrapper on Megatron's namespaces with a numpy scalar or array, a torch
     tensor (0-d, 1-d, NaN), an int subclass whose __int__ raises or an object refusing str() / int() / bool() at the
@@ -1808,6 +2073,7 @@ def big_logs(d: str) -> None:
             sample["iteration"] = i
             f.write(json.dumps(sample) + "\n")
     for label, args in (("report 10**6 Megatron memory lines", ["report", path]),
+                        ("calibrate 10**6 Megatron memory lines", ["calibrate", path]),      # (one run: read, then refused)
                         ("report 10**6 JSONL samples", ["report", os.path.join(d, "jsonl")])):
         o = run_memguard(args, wall_limit=600)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -1833,7 +2099,8 @@ def main(argv: list[str]) -> int:
               ("releases", release_cases()), ("structured", structured_cases()), ("hybrid", hybrid_cases()),
               ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases()),
               ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name)),
-              ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases()), ("hostile16", hostile16_cases())]
+              ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases()), ("hostile16", hostile16_cases()),
+              ("hostile17", hostile17_cases(tmp.name))]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]

@@ -48,7 +48,7 @@ from ._integration import (
     env_int, is_oom, parallel_ranks, run_preflight, to_plain,
 )
 from .config import RawConfig
-from .errors import ReaderError
+from .errors import MemguardError, ReaderError
 from .numbers import python_scalar
 from .runtime.reporting import ErrorReporter
 
@@ -286,9 +286,15 @@ def pretrain(config: Any, forward_step_func: Any, callbacks: Any = None, *, worl
                        site_profile=site_profile)
     if result.mode == "off":  # off means off: no pre-flight and no runtime logging (as the hook and Lightning)
         return bridge_pretrain(config, forward_step_func, callbacks=callbacks, **kwargs)
-    cb = MemguardCallback(result, log_dir=log_dir, interval=interval, source=source, gpu=gpu, gpu_memory=gpu_memory,
-                          threshold=threshold)
-    cb.start_source()   # before the model is built, so that a tracking source counts it as it is made
+    try:
+        cb = MemguardCallback(result, log_dir=log_dir, interval=interval, source=source, gpu=gpu, gpu_memory=gpu_memory,
+                              threshold=threshold)
+        cb.start_source()   # before the model is built, so that a tracking source counts it as it is made
+    except MemguardError:   # a bad setting (MEMGUARD_LOG_INTERVAL=x): named, as the pre-flight's own settings are
+        raise
+    except Exception as e:  # memguard's own bug: training goes on without the runtime log
+        ErrorReporter()("setting up the runtime monitor", e)
+        return bridge_pretrain(config, forward_step_func, callbacks=callbacks, **kwargs)
     if callbacks is None:
         callbacks = [cb]
     elif isinstance(callbacks, list):

@@ -233,8 +233,19 @@ def decode(data: bytes, where: str, limit: int = MAX_FILE_BYTES) -> str:
     """``data`` (at most ``limit`` bytes) as UTF-8 text; ReaderError naming ``where`` otherwise."""
     if len(data) > limit:
         raise ReaderError(f"{where}: larger than {_size(limit)}; memguard reads configs and launch scripts up to that size")
+    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):   # (UTF-32's mark starts as UTF-16's)
+        raise ReaderError(f"{where}: UTF-32 text (a byte-order mark {' '.join(f'0x{b:02x}' for b in data[:4])}); "
+                          "save it as UTF-8")
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):   # Windows editors' "Unicode"
         raise ReaderError(f"{where}: UTF-16 text (a byte-order mark 0x{data[0]:02x} 0x{data[1]:02x}); save it as UTF-8")
+    head = data[:64] if len(data) % 2 == 0 else b""
+    if len(head) >= 4 and b"\x00" in head:
+        # UTF-16 without a mark (Python's 'utf-16-le', iconv): ASCII text with a NUL after (or before) every character;
+        # YAML's "unacceptable character #x0000" or JSON's "Expecting value" do not say what the file is
+        for zeros, other, order in ((head[1::2], head[0::2], "little"), (head[0::2], head[1::2], "big")):
+            if not zeros.strip(b"\x00") and b"\x00" not in other:
+                raise ReaderError(f"{where}: UTF-16 text without a byte-order mark ({order}-endian: a NUL byte beside "
+                                  "every character); save it as UTF-8")
     try:
         return data.decode("utf-8").removeprefix("\ufeff")    # a UTF-8 byte-order mark (JSON's parser refuses it)
     except UnicodeDecodeError as e:

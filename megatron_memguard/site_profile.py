@@ -112,6 +112,9 @@ def parse_site_profile(doc: Any, source: str = "site profile") -> SiteProfile:
     m = _SCHEMA_RE.match(str(schema)) if isinstance(schema, str) else None
     if not m:
         raise ConfigError(f"{source}: schema", f"expected {SCHEMA!r}, got {schema!r} (is this a memguard site profile?)")
+    if m.group(1) in ("0",) or (m.group(1).startswith("0") and len(m.group(1)) > 1):   # (no /0; /02 is no schema)
+        raise ConfigError(f"{source}: schema", f"expected {SCHEMA!r} or {SCHEMA_TIME!r}, got {shown(schema)} (no memguard "
+                                               "wrote that schema)")
     if len(m.group(1)) > 3 or int(m.group(1)) > 2:
         raise ConfigError(f"{source}: schema", f"{schema} was written by a newer memguard; this version ({_version()}) "
                                                f"reads {SCHEMA} and {SCHEMA_TIME}",
@@ -172,6 +175,14 @@ def _time_section(doc: dict, source: str, version: int) -> dict[str, float]:
         raise ConfigError(f"{source}: time", f"expects a mapping of time constant to value, got {type(sec).__name__}")
     if sec and not doc.get("gpu"):
         raise ConfigError(f"{source}: time", "time constants hold for one GPU type: the profile needs 'gpu:'")
+    if sec:
+        # (memguard plan plans the profile's GPU by its row: an unknown name was named as plan's own --gpu)
+        from .gpus import GPUS, lookup_gpu
+        try:
+            lookup_gpu(str(doc["gpu"]))
+        except ConfigError:
+            raise ConfigError(f"{source}: gpu", f"{shown(doc['gpu'])} is not a GPU memguard knows (known: "
+                                                f"{', '.join(GPUS)}); the time constants apply to that GPU's row") from None
     out = {}
     for k, v in sec.items():
         key = f"{source}: time.{k}"

@@ -136,6 +136,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
 
     if not ns.site_profile and cmd.env.get("MEMGUARD_PROFILE"):  # the hook would read the launch's variable
         ns.site_profile = here(cmd.env["MEMGUARD_PROFILE"])
+        ns.site_profile_key = "the launch's MEMGUARD_PROFILE"     # (its errors name where the path came from)
         notes.append(f"site profile {ns.site_profile} from the launch's MEMGUARD_PROFILE")
 
     if sa.kind == "megatron":
@@ -161,6 +162,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
                 ns.gpu_memory = hook["--memguard-gpu-memory"]
             if not ns.site_profile and hook.get("--memguard-profile"):
                 ns.site_profile = here(hook["--memguard-profile"])
+                ns.site_profile_key = "the launch's --memguard-profile"
                 notes.append(f"site profile {ns.site_profile} from the launch's --memguard-profile")
         raw = parse_megatron_flags(flags_, env=job_env, source=f"{os.path.basename(cmd.script)} flags",
                                    expand=False, kept=cmd.kept)
@@ -192,7 +194,7 @@ def read_launch(ns: argparse.Namespace, flags: list[str], environ: Mapping[str, 
             raise ConfigError(cmd.script, "this Megatron-Bridge launch names no --config-file and no recipe memguard knows",
                               "give --model RECIPE (or a full run_config.yaml with --config-file)")
     sub.model = recipe
-    raw = load_raw(sub, [])
+    raw = _shell_checked(lambda: load_raw(sub, []), cmd, sub.set)
     if cmd.env:
         raw = replace(raw, env={**raw.env, **memory_env(cmd.env)})
     return cmd, sa, raw, notes
@@ -209,13 +211,45 @@ def _read_run_recipe(ns: argparse.Namespace, cmd: LaunchCommand, notes: list[str
     if ns.model:
         raise ConfigError("--model", "run_recipe.py names its recipe itself (its --recipe, or --model and --mode after "
                                      "--); memguard's --model does not apply to it")
-    rr, raw = read_run_recipe(cmd.script_args, extra_overrides=ns.set)
+    rr, raw = _shell_checked(lambda: read_run_recipe(cmd.script_args, extra_overrides=ns.set), cmd,
+                             [*cmd.script_args, *(ns.set or [])])
     if rr.ignored:
         notes.append("run_recipe.py settings that do not change memory: " + " ".join(rr.ignored))
     if cmd.env:  # the recipe's env_vars (and --deterministic's) are os.environ.setdefault: the launch's own win
         raw = replace(raw, env={**raw.env, **memory_env(cmd.env)})
     sa = ScriptArgs(kind="bridge", recipe=rr.recipe, overrides=list(rr.overrides), ignored=list(rr.ignored))
     return cmd, sa, raw, notes
+
+
+def _shell_checked(read, cmd: LaunchCommand, overrides: list[str]):
+    """``read()`` (a NeMo / Bridge reader of the launch's KEY=VALUE overrides), with an override whose value holds a
+    command substitution (``model.tensor_model_parallel_size=$(nproc)``) named as the Megatron-flag case names one:
+    its key, the construct and its line, when a rule reads it; a setting no rule needs is not an error (bash runs
+    ``model.seed=$(date)``'s program, memguard needs no seed)."""
+    from ..readers.megatron_flags import unevaluated_overrides
+    shell = unevaluated_overrides(overrides, cmd.kept)
+    if not shell:
+        return read()
+    try:
+        out = read()
+    except ConfigErrors as e:
+        raise ConfigErrors([_shell_error(x, shell) for x in e.errors]) from None
+    except ConfigError as e:
+        raise _shell_error(e, shell) from None
+    raw = out[1] if isinstance(out, tuple) else out
+    # (resolve() reports the first read of such a value, as it does a Megatron flag's: RawConfig.unevaluated)
+    raw = replace(raw, unevaluated={**raw.unevaluated, **{d: shell[k] for d, k in raw.origin.items() if k in shell}},
+                  problems=tuple(_shell_error(p, shell) for p in raw.problems))
+    return (out[0], raw) if isinstance(out, tuple) else raw
+
+
+def _shell_error(e: ConfigError, shell: Mapping[str, str]) -> ConfigError:
+    """``e`` about an override whose value is shell text memguard kept: the construct and its line instead of the
+    reader's view of the text ("must be an integer, got '$(nproc)'")."""
+    from ..readers.megatron_flags import unevaluated_fix
+    if e.key not in shell or ("$(" not in e.rule and "`" not in e.rule):   # (a rule the key breaks whatever its value)
+        return e
+    return ConfigError(e.key, f"is {shell[e.key]}", unevaluated_fix(e.key))
 
 
 def _has_shape(path: str | None) -> bool:
@@ -252,6 +286,12 @@ def _check(ns, flags: list[str]) -> int:
     if world is None and cfg_world:
         world, wsrc = cfg_world, raw.origin.get("world_size", "the config")
     if world is None:
+        from ..readers.megatron_flags import unevaluated_fix, unevaluated_overrides
+        shell = unevaluated_overrides([*sa.overrides, *(ns.set or [])], cmd.kept)
+        for key in ("trainer.devices", "trainer.num_nodes"):   # (NeMo's world size: trainer.devices x num_nodes)
+            if key in shell:
+                raise ConfigError(key, f"is {shell[key]}; the number of GPUs is unknown",
+                                  unevaluated_fix(key) + ", or give --world-size N")
         raise ConfigError("--world-size", f"the number of GPUs is unknown: {cmd.launcher} {os.path.basename(cmd.script)} "
                           "gives no --nnodes / --nproc-per-node (srun --ntasks / --nodes x --ntasks-per-node) and "
                           "WORLD_SIZE / SLURM_NTASKS are not set", "give --world-size N")

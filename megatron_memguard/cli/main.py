@@ -235,7 +235,8 @@ def target_site(ns: argparse.Namespace) -> SiteConstants | None:
     """The constants of --site-profile (or $MEMGUARD_PROFILE); None: memguard's defaults."""
     from ..site_profile import site_from
 
-    prof = site_from(file_name(getattr(ns, "site_profile", None), "--site-profile"))
+    key = getattr(ns, "site_profile_key", None) or "--site-profile"   # (check: the launch's own variable or flag)
+    prof = site_from(file_name(getattr(ns, "site_profile", None), key), key=key)
     return prof.constants if prof is not None else None
 
 

@@ -148,6 +148,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         if flags:
             raise ConfigError("--", f"memguard report takes no flags after -- for memguard's JSONL files (got "
                                     f"{' '.join(flags)}); the files carry their predictions")
+        _no_prediction_options(ns)
         from ..report.runlog import read_run
         log = read_run(ns.logdir, run=ns.run, skip_bad_lines=ns.skip_bad_lines, warn=warn)
     else:
@@ -192,6 +193,23 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         write(plot, ns.out, fmt, lambda p: report_html(log, p), "--out", stream=stream)
         print(f"memguard: report written to {path_text(ns.out)}", file=sys.stderr)
     return EXIT_FITS if verdict(log, metrics_of(log))["ok"] and not forensics else EXIT_PROBLEM
+
+
+# the options that shape a Megatron log's prediction (add_target_options, --env): None / [] when not given
+_PREDICTION_OPTIONS = (("config", "--config"), ("model", "--model"), ("set", "--set"), ("site_profile", "--site-profile"),
+                       ("gpu", "--gpu"), ("gpu_memory", "--gpu-memory"), ("world_size", "--world-size"), ("gpus", "--gpus"),
+                       ("nnodes", "--nnodes"), ("nproc_per_node", "--nproc-per-node"), ("vocab_size", "--vocab-size"),
+                       ("megatron_version", "--megatron-version"), ("env", "--env"))
+
+
+def _no_prediction_options(ns: argparse.Namespace) -> None:
+    """memguard's JSONL files carry the predictions the hook made at run time: an option that would change a Megatron
+    log's prediction (a site profile, the GPU, the model) would be ignored without a word, so it is an error."""
+    for dest, flag in _PREDICTION_OPTIONS:
+        if getattr(ns, dest, None) not in (None, []):
+            raise ConfigError(flag, "applies to Megatron logs (the prediction memguard report makes); memguard's JSONL "
+                                    "files carry the predictions made at run time, which it does not change",
+                              f"leave {flag} out; at run time the hook takes --memguard-* flags and MEMGUARD_* variables")
 
 
 def _oom_only(ns: argparse.Namespace, mlog: Any, forensics: list[Any]) -> int:

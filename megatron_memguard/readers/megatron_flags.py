@@ -75,9 +75,35 @@ _LONG_DIGITS = re.compile(r"\s*[+-]?[0-9][0-9_]{4000,}\s*")
 
 
 def unevaluated_fix(flag: str) -> str:
-    """How to give memguard a value a launch script computes with a program (resolve/args.py's error too)."""
+    """How to give memguard a value a launch script computes with a program (resolve/args.py's error too); ``flag`` is
+    a Megatron flag, or the key of a NeMo / Bridge ``KEY=VALUE`` override on the launch line."""
+    if not flag.startswith("-"):
+        return (f"write the value into the script, or give it to memguard: memguard check --file SCRIPT --set "
+                f"{flag}=VALUE overrides the script's")
     return (f"write the value into the script, or give it after memguard's --: memguard estimate --config SCRIPT -- "
             f"{flag} VALUE overrides the script's")
+
+
+def unevaluated_overrides(tokens: Iterable[str], kept: Mapping[str, int]) -> dict[str, str]:
+    """The NeMo / Bridge ``KEY=VALUE`` overrides of a launch line whose value holds a command substitution or an
+    arithmetic expansion memguard kept as written (``kept``: construct -> line): key (as the readers name it in
+    ``RawConfig.origin``, without Hydra's ``+`` / ``++``) -> what the value is and where. A later override of the key
+    (memguard's own ``--set``) replaces the text, as it replaces the value."""
+    from ._common import is_override_token
+    out: dict[str, str] = {}
+    seen: dict[str, str | None] = {}     # (a launch line repeating one value 30,000 times reads it once)
+    for tok in tokens:
+        tok = str(tok)
+        if not is_override_token(tok) or "=" not in tok:
+            continue
+        key, value = tok.split("=", 1)
+        if value not in seen:
+            seen[value] = _unevaluated(value, kept)
+        what = seen[value]
+        out.pop(key.lstrip("+"), None)
+        if what:
+            out[key.lstrip("+")] = what
+    return out
 
 _PLACEHOLDER = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _UNSET_REF = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")   # a whole word: $VAR, ${VAR}

@@ -265,8 +265,9 @@ def find_log_files(paths: Sequence[str]) -> list[str]:
 
 
 def _lines(path: str) -> Iterable[tuple[int, str]]:
+    from .logfile import open_log
     try:
-        f = open(path, encoding="utf-8", errors="replace")
+        f = open_log(path)     # (a sparse file's holes left out; UTF-16 by its byte-order mark)
     except OSError as e:
         raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
     with f:

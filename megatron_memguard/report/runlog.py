@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterable, Iterator, Sequence
 
 from ..errors import ReaderError
+from .logfile import open_log
 from ..files import json_int
 from ..numbers import INT64_MAX, shown
 from ..runtime.monitor import COMPARED
@@ -192,6 +193,15 @@ def _int(v: Any) -> int | None:
     return int(v)
 
 
+def _count(v: Any) -> int | None:
+    """A byte count as torch reports it: a whole number >= 0 (a negative or fractional one is no reading memguard
+    writes; the report would draw it)."""
+    n = _int(v)
+    if n is not None and (n < 0 or n != v):
+        raise ValueError(f"expected a byte count (a whole number >= 0), got {shown(v)}")
+    return n
+
+
 def _field(rec: dict, key: str, check: Callable[[Any], Any]) -> Any:
     """``check(rec[key])`` (None when absent), the error naming the field."""
     try:
@@ -220,7 +230,7 @@ def _bytes_dict(d: Any, keys: Iterable[str], what: str) -> dict[str, int | None]
     out = {}
     for k in keys:
         try:
-            out[k] = _int(d.get(k))
+            out[k] = _count(d.get(k))
         except ValueError as e:
             raise ValueError(f"'{what}.{k}': {e}") from None
     return out
@@ -258,7 +268,7 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
     last_pred: Any = None
     rank: int | None = None
     try:
-        f = open(path, encoding="utf-8", errors="replace")  # binary garbage: a bad line, not a traceback
+        f = open_log(path)  # binary garbage: a bad line, not a traceback (a sparse file's holes left out)
     except OSError as e:
         raise ReaderError(f"{path}: cannot read ({e.strerror or e})") from None
 
@@ -364,8 +374,9 @@ def read_file(path: str, run: str = "last", skip_bad_lines: bool = False,
                 out.samples.append(Sample(rec["iteration"], actual, predicted, n))
             elif ev in ("warning", "oom"):
                 # the numbers the report draws and prints
-                for k in ("iteration", "actual_bytes", "predicted_bytes", "alloc_bytes"):
-                    _field(rec, k, _int)
+                _field(rec, "iteration", _int)
+                for k in ("actual_bytes", "predicted_bytes", "alloc_bytes"):
+                    _field(rec, k, _count)
                 (out.warnings if ev == "warning" else out.ooms).append(rec)
             elif ev == "summary":
                 out.summary = rec
