@@ -1472,3 +1472,41 @@ def test_a_model_precision_flag_the_mixed_precision_preset_overwrites_is_the_pre
     L = resolve(raw, world_size=WORLD)
     assert (L.fp16, L.bf16) == (cfg.model.fp16, cfg.model.bf16) == (False, True)
     assert not any(w.startswith("model.fp16: ") for w in raw.warnings), raw.warnings
+
+
+# --- issue bridge18 item 1: model flags megatron-core compares with a bool (==, is) where the model is built ----------
+@pytest.mark.parametrize("value", ["false", "0", "0.0", "''", "[]"])
+def test_a_false_add_bias_linear_is_what_bridges_shared_experts_build_takes(recipes, monkeypatch, value):
+    """SharedExpertMLP.__init__ (megatron-core 0.19.2 transformer/moe/shared_experts.py:124) asserts
+    ``config.add_bias_linear == False``: Bridge's override path sets the value unchecked and finalize keeps it, so on
+    DeepSeek-V2-Lite (shared experts) 0 builds (0 == False) but '' or [] stop the build, although their truth is off.
+    memguard read every false value as off and estimated; now '' and [] are a problem naming the key."""
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    override = f"model.add_bias_linear={value}"
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.deepseek_v2_lite_pretrain_config(), cli_overrides=[override])
+    _runtime_config_update(cfg, monkeypatch)      # (finalize keeps the value: TransformerConfig tests its truth)
+    assert cfg.model.moe_shared_expert_intermediate_size and not cfg.model.add_bias_linear
+    try:   # (the assertion is the constructor's first check: submodules are not reached when it fails)
+        SharedExpertMLP(cfg.model, submodules=None, gate=False)
+        builds = True
+    except AssertionError as e:
+        assert "bias is not supported in the shared experts" in str(e)
+        builds = False
+    except Exception:   # noqa: BLE001 - past the assertion, the stand-in submodules stop it
+        builds = True
+    assert builds is (value in ("false", "0", "0.0"))
+    for raw in (read_bridge({}, "recipe deepseek_v2_lite", parse_overrides([override]), recipe="deepseek_v2_lite"),
+                raw_config(cfg)):
+        assert [p.key for p in raw.problems] == ([] if builds else ["model.add_bias_linear"]), raw.problems
+        if builds:
+            assert resolve(raw, world_size=WORLD).add_bias_linear is False
+        else:
+            assert "SharedExpertMLP asserts `add_bias_linear == False`" in str(raw.problems[0])

@@ -157,6 +157,24 @@ def _bridge_bools(b: ArgsBuilder, fields: dict[str, Field], names: Iterable[str]
             fields[name] = (bool(value) if name in overwritten else bridge_truth(b, value, f[1]), f[1])
 
 
+def _identity_compared_model_flags(b: ArgsBuilder, model: Mapping[str, Field]) -> None:
+    """Model flags megatron-core 0.19.2 compares with a bool (``==``, ``is``) rather than by truth where the model is
+    built, read before _bridge_bools turns the value into its truth. Bridge's override path sets any value unchecked
+    (bridge_truth), so a value whose truth alone would build stops Bridge there; each is a problem naming the key.
+    SharedExpertMLP.__init__ (transformer/moe/shared_experts.py:124) asserts ``config.add_bias_linear == False`` in
+    every MoE layer of a model with shared experts: 0 passes (0 == False), '' or [] (false, but not == False) fail."""
+    f, shared, experts = (model.get(n) for n in ("add_bias_linear", "moe_shared_expert_intermediate_size",
+                                                   "num_moe_experts"))
+    if f is None or shared is None or experts is None or any(is_missing(x[0]) for x in (f, shared, experts)):
+        return
+    value = python_scalar(f[0])
+    if not python_scalar(shared[0]) or not python_scalar(experts[0]) or value is None or value or value == False:  # noqa: E712
+        return   # (no shared experts; null: refused as null; a true value: refused with shared experts by resolve)
+    b.problem(f[1], f"{shown(value)} is false but not == False: megatron-core 0.19.2's SharedExpertMLP asserts "
+              "`add_bias_linear == False`, so Megatron-Bridge 0.6.2 fails building this model's shared experts "
+              f"({shared[1]})", "write false")
+
+
 def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
     """ConfigContainer.validate (Megatron-Bridge 0.6.2 training/config.py, _validate_and_apply_megatron_fsdp_configs
     :1097-1101, and :1389-1394), when the job saves or loads a checkpoint: Megatron-FSDP asserts the fsdp_dtensor
@@ -577,6 +595,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     b.set("bridge_config", True, "Megatron-Bridge ConfigContainer")
     # flags given another value than true / false (model.sequence_parallel=1, =yes, ='false'): what Bridge builds
     mp_given = top.get("mixed_precision", (None,))[0] is not None or bool(S.get("mixed_precision"))
+    _identity_compared_model_flags(b, S.get("model", {}))
     _bridge_bools(b, S.get("model", {}), model_bool_fields(), frozenset(_MP_BOOLS) if mp_given else frozenset())
     _bridge_bools(b, S.get("mixed_precision", {}), _MP_BOOLS)
     _bridge_bools(b, S.get("comm_overlap", {}), _COMM_OVERLAP_TRUTH)
