@@ -1510,3 +1510,60 @@ def test_a_false_add_bias_linear_is_what_bridges_shared_experts_build_takes(reci
             assert resolve(raw, world_size=WORLD).add_bias_linear is False
         else:
             assert "SharedExpertMLP asserts `add_bias_linear == False`" in str(raw.problems[0])
+
+
+@pytest.mark.parametrize("value", ["true", "1", "yes", "'false'", "false", "0"])
+def test_add_bias_linear_on_the_fused_bias_gelu_path_is_what_bridges_model_runs(recipes, monkeypatch, value):
+    """A GeLU MLP without a gated linear unit and with bias_activation_fusion (llama3_8b made so by overrides):
+    TransformerConfig.__post_init__ (megatron-core 0.19.2) refuses a false add_bias_linear by truth, and MLP.forward
+    (transformer/mlp.py:306) asserts ``add_bias_linear is True``: 1, 'yes' or the text 'false' build, then the first
+    training step stops. memguard estimated all of them; now a false value is refused under model.bias_activation_fusion
+    and a true value that is not True is a problem naming model.add_bias_linear. MLP.forward runs on the finalized
+    config with linears that hand back their input and the bias the config asks for (no parallel state on CPU)."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    overrides = ["model.activation_func=gelu", "model.gated_linear_unit=false", "model.bias_activation_fusion=true",
+                 f"model.add_bias_linear={value}"]
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=overrides)
+    raw = read_bridge({}, "recipe llama3_8b", parse_overrides(overrides), recipe="llama3_8b")
+    try:
+        _runtime_config_update(cfg, monkeypatch)
+    except ValueError as e:      # (TransformerConfig: the fused bias-GeLU without biases)
+        assert "add_bias_linear must also be True" in str(e) and value in ("false", "0")
+        with pytest.raises(ConfigError, match=r"^model\.bias_activation_fusion: the fused bias-GeLU needs biases"):
+            resolve(raw, world_size=WORLD)
+        return
+    assert cfg.model.activation_func is F.gelu and cfg.model.add_bias_linear
+
+    class Linear(torch.nn.Module):
+        def __init__(self, bias):
+            super().__init__()
+            self.bias = bias
+
+        def forward(self, x):
+            return x, self.bias
+
+    mlp = types.SimpleNamespace(config=cfg.model, activation_func=cfg.model.activation_func,
+                                linear_fc1=Linear(torch.zeros(8)), linear_fc2=Linear(None))
+    try:
+        MLP.forward(mlp, torch.randn(2, 1, 8))
+        steps = True
+    except AssertionError:
+        steps = False
+    assert steps is (value == "true")
+    assert [p.key for p in raw.problems] == ([] if steps else ["model.add_bias_linear"]), raw.problems
+    if steps:
+        assert resolve(raw, world_size=WORLD).add_bias_linear is True
+    else:
+        assert "MLP.forward asserts `add_bias_linear is True`" in str(raw.problems[0])

@@ -31,7 +31,7 @@ from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
     group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, model_bool_fields, peft_module_list,
-    refuse_unset_section_field, section_typed_field, set_vocab, true_or_false,
+    refuse_unset_section_field, section_typed_field, set_vocab, target_name, true_or_false,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -162,7 +162,11 @@ def _identity_compared_model_flags(b: ArgsBuilder, model: Mapping[str, Field]) -
     built, read before _bridge_bools turns the value into its truth. Bridge's override path sets any value unchecked
     (bridge_truth), so a value whose truth alone would build stops Bridge there; each is a problem naming the key.
     SharedExpertMLP.__init__ (transformer/moe/shared_experts.py:124) asserts ``config.add_bias_linear == False`` in
-    every MoE layer of a model with shared experts: 0 passes (0 == False), '' or [] (false, but not == False) fail."""
+    every MoE layer of a model with shared experts: 0 passes (0 == False), '' or [] (false, but not == False) fail.
+    MLP.forward (transformer/mlp.py:306) asserts ``config.add_bias_linear is True`` on its fused bias-GeLU path
+    (bias_activation_fusion, activation F.gelu, no gated linear unit, no TE activation function): there 1 or 'yes'
+    build, then the first training step stops."""
+    _add_bias_linear_is_true(b, model)
     f, shared, experts = (model.get(n) for n in ("add_bias_linear", "moe_shared_expert_intermediate_size",
                                                    "num_moe_experts"))
     if f is None or shared is None or experts is None or any(is_missing(x[0]) for x in (f, shared, experts)):
@@ -173,6 +177,33 @@ def _identity_compared_model_flags(b: ArgsBuilder, model: Mapping[str, Field]) -
     b.problem(f[1], f"{shown(value)} is false but not == False: megatron-core 0.19.2's SharedExpertMLP asserts "
               "`add_bias_linear == False`, so Megatron-Bridge 0.6.2 fails building this model's shared experts "
               f"({shared[1]})", "write false")
+
+
+def _add_bias_linear_is_true(b: ArgsBuilder, model: Mapping[str, Field]) -> None:
+    """The ``add_bias_linear is True`` assertion of MLP.forward (_identity_compared_model_flags), where a model runs
+    MLP.forward: a dense model without TE's operation fuser (TEFusedMLP), or MoE experts without grouped GEMM
+    (SequentialMLP), or the dense layers of a MoE model (moe_layer_freq)."""
+    def value(name: str, default: Any) -> Any:
+        f = model.get(name)
+        return default if f is None or is_missing(f[0]) else python_scalar(f[0])
+
+    f = model.get("add_bias_linear")
+    bias = value("add_bias_linear", None)
+    act = target_name(value("activation_func", None)) or "gelu"   # (TransformerConfig: F.gelu)
+    if (f is None or not bias or bias is True or not value("bias_activation_fusion", False) or act != "gelu"
+            or value("gated_linear_unit", False) or value("use_te_activation_func", False)):
+        return
+    freq = value("moe_layer_freq", 1)
+    dense_layers = (isinstance(freq, int) and freq > 1) or (isinstance(freq, (list, tuple)) and 0 in freq)
+    if not value("num_moe_experts", None):
+        runs = not value("use_transformer_engine_op_fuser", False)
+    else:
+        runs = not value("moe_grouped_gemm", False) or dense_layers
+    if runs:
+        b.problem(f[1], f"{shown(bias)} is true but not True: megatron-core 0.19.2's MLP.forward asserts "
+                  "`add_bias_linear is True` on the fused bias-GeLU path (bias_activation_fusion with gelu and no gated "
+                  "linear unit), so the model Megatron-Bridge 0.6.2 builds stops at the first training step",
+                  "write true")
 
 
 def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
