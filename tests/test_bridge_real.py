@@ -677,7 +677,8 @@ def _bridge_values(cfg) -> dict:
         "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length,
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
         "untie_embeddings_and_output_weights": not m.share_embeddings_and_output_weights,
-        "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
+        "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias,
+        "qk_layernorm": bool(m.qk_layernorm),   # (a value Bridge sets unchecked: the layer spec tests its truth)
         "gated_linear_unit": m.gated_linear_unit, "normalization": m.normalization,
         "multi_latent_attention": mla,
         "recompute_granularity": m.recompute_granularity, "recompute_method": m.recompute_method,
@@ -1231,6 +1232,30 @@ FINALIZED_LAUNCHES = [
     (8, ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "model.moe_token_dispatcher_type=alltoall",
          "mixed_precision=bf16_with_fp8_current_scaling_mixed", "model.moe_router_padding_for_quantization=true"]),
     (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"]),
+    # issue bridge18 item 2: the recipes of memguard's table no launch above took, with overrides of their own
+    (1024, ["--recipe", "deepseek_v3_pretrain_config", "model.moe_token_dispatcher_type=alltoall",
+            "model.recompute_granularity=selective", "model.recompute_modules=[mla_up_proj,moe_act]", "-gb", "2048"]),
+    (32, ["--recipe", "qwen25_72b_pretrain_config", "-vp", "5", "model.sequence_parallel=true"]),
+    (64, ["--recipe", "qwen2_72b_pretrain_config", "-pp", "2", "model.recompute_granularity=full",
+          "model.recompute_method=uniform", "model.recompute_num_layers=1"]),
+    (32, ["--recipe", "qwen3_32b_pretrain_config", "-cp", "2", "model.recompute_granularity=selective",
+          "model.recompute_method=null", "model.recompute_num_layers=null"]),
+    (8, ["--recipe", "qwen25_7b_pretrain_config", "model.sequence_parallel=true", "-mb", "4",
+         "model.cross_entropy_loss_fusion=false"]),
+    (16, ["--recipe", "qwen3_14b_pretrain_config", "-tp", "4", "-pp", "2",
+          "model.account_for_embedding_in_pipeline_split=true", "model.account_for_loss_in_pipeline_split=true"]),
+    (64, ["--recipe", "llama31_70b_pretrain_config", "-cp", "4", "-sl", "32768"]),
+    (16, ["--recipe", "qwen2_7b_pretrain_config", "model.sequence_parallel=true", "ddp.overlap_grad_reduce=false"]),
+    (32, ["--recipe", "llama3_8b_16k_pretrain_config", "-vp", "4"]),
+    (8, ["--recipe", "qwen3_1p7b_pretrain_config", "-mb", "1", "-gb", "64", "model.qk_layernorm=yes"]),
+    (4, ["--recipe", "qwen3_8b_pretrain_4gpu_h100_bf16_config", "-tp", "2", "model.sequence_parallel=true"]),
+    (512, ["--recipe", "llama31_405b_pretrain_deterministic_config", "-gb", "256"]),
+    (8, ["--recipe", "qwen2_500m_pretrain_config", "model.share_embeddings_and_output_weights=false", "-sl", "8192"]),
+    # item 1: CommOverlapConfig's `is True` guards (comm_overlap.py:478, 520) skipped by 1 / yes: megatron-core's
+    # TransformerConfig.__post_init__ repeats the same checks by truth, so the overlap is on as for true
+    (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "comm_overlap.overlap_moe_expert_parallel_comm=1",
+          "comm_overlap.delay_wgrad_compute=yes", "model.recompute_granularity=null", "model.recompute_method=null",
+          "model.recompute_num_layers=null", "model.moe_shared_expert_overlap=false", "-ep", "4"]),
 ]
 
 
@@ -1567,3 +1592,20 @@ def test_add_bias_linear_on_the_fused_bias_gelu_path_is_what_bridges_model_runs(
         assert resolve(raw, world_size=WORLD).add_bias_linear is True
     else:
         assert "MLP.forward asserts `add_bias_linear is True`" in str(raw.problems[0])
+
+
+@pytest.mark.parametrize("mtp", ["2", "null"])
+def test_an_mtp_count_the_recipes_layout_does_not_place_is_refused_as_bridge_refuses_it(recipes, monkeypatch, mtp):
+    """deepseek_v3_pretrain_config's pipeline_model_parallel_layout places one MTP layer ('m'): Bridge's finalize asserts
+    the layout's count is mtp_num_layers (2, or none for null); memguard refuses the layout by its key."""
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    from megatron_memguard.resolve import resolve
+
+    argv = ["--recipe", "deepseek_v3_pretrain_config", "model.moe_token_dispatcher_type=alltoall", f"model.mtp_num_layers={mtp}"]
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    cfg = run_recipe_main("v0.6.0", argv, monkeypatch)
+    with pytest.raises(AssertionError, match="Number of mtp layers in layout must match mtp_num_layers"):
+        _runtime_config_update(cfg, monkeypatch)
+    with pytest.raises(ConfigError, match=r"^model\.pipeline_model_parallel_layout \(recipe deepseek_v3\): places 1 MTP"):
+        resolve(read_run_recipe(argv)[1], world_size=1024)
