@@ -1637,3 +1637,30 @@ def test_every_pretraining_recipe_bridge_ships_is_read_or_refused_by_name_with_t
     table = {fn for r in presets()["recipes"].values() for fn in r["functions"]}
     assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 84
     assert len(refused) == len(functions) - 84 > 0
+
+
+@pytest.mark.parametrize("dispatcher", [None, "alltoall"])
+@pytest.mark.parametrize("value", ["true", "1", "yes", "false"])
+def test_variable_seq_lengths_is_true_is_refused_where_bridges_finalize_refuses_it(recipes, monkeypatch, value,
+                                                                                     dispatcher):
+    """TransformerConfig.__post_init__ (megatron-core 0.19.2) raises for ``variable_seq_lengths is True`` with the
+    allgather token dispatcher, the default of a dense recipe too; 1 or 'yes' pass (and are on). memguard estimated
+    true; now it is a problem naming the key, as Bridge's finalize stops."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    overrides = [f"model.variable_seq_lengths={value}"] + ([f"model.moe_token_dispatcher_type={dispatcher}"]
+                                                             if dispatcher else [])
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=overrides)
+    try:
+        _runtime_config_update(cfg, monkeypatch)
+        stops = False
+    except ValueError as e:
+        assert "does not support variable sequence length" in str(e)
+        stops = True
+    assert stops is (value == "true" and dispatcher is None)
+    raw = read_bridge({}, "recipe llama3_8b", parse_overrides(overrides), recipe="llama3_8b")
+    assert [p.key for p in raw.problems] == (["model.variable_seq_lengths"] if stops else []), raw.problems

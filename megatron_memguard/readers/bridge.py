@@ -165,8 +165,17 @@ def _identity_compared_model_flags(b: ArgsBuilder, model: Mapping[str, Field]) -
     every MoE layer of a model with shared experts: 0 passes (0 == False), '' or [] (false, but not == False) fail.
     MLP.forward (transformer/mlp.py:306) asserts ``config.add_bias_linear is True`` on its fused bias-GeLU path
     (bias_activation_fusion, activation F.gelu, no gated linear unit, no TE activation function): there 1 or 'yes'
-    build, then the first training step stops."""
+    build, then the first training step stops. TransformerConfig.__post_init__ (transformer_config.py:2645) raises for
+    ``variable_seq_lengths is True`` with the allgather token dispatcher (its default, dense models too): true stops
+    Bridge's finalize, 1 or 'yes' do not."""
     _add_bias_linear_is_true(b, model)
+    f = model.get("variable_seq_lengths")
+    disp = model.get("moe_token_dispatcher_type")
+    if f is not None and python_scalar(f[0]) is True and (disp is None or disp[0] in (None, "allgather")):
+        b.problem(f[1], "is True with the allgather token dispatcher (TransformerConfig's default): megatron-core "
+                  "0.19.2's TransformerConfig raises \"allgather does not support variable sequence length\", so "
+                  "Megatron-Bridge 0.6.2's finalize stops", "leave it false, or set "
+                  "model.moe_token_dispatcher_type=alltoall")
     f, shared, experts = (model.get(n) for n in ("add_bias_linear", "moe_shared_expert_intermediate_size",
                                                    "num_moe_experts"))
     if f is None or shared is None or experts is None or any(is_missing(x[0]) for x in (f, shared, experts)):
