@@ -204,10 +204,11 @@ def _add_bias_linear_is_true(b: ArgsBuilder, model: Mapping[str, Field]) -> None
         return
     freq = value("moe_layer_freq", 1)
     dense_layers = (isinstance(freq, int) and freq > 1) or (isinstance(freq, (list, tuple)) and 0 in freq)
+    fuser = value("use_transformer_engine_op_fuser", False)   # (TEFusedMLP for the dense MLPs)
     if not value("num_moe_experts", None):
-        runs = not value("use_transformer_engine_op_fuser", False)
+        runs = not fuser
     else:
-        runs = not value("moe_grouped_gemm", False) or dense_layers
+        runs = not value("moe_grouped_gemm", False) or (dense_layers and not fuser)
     if runs:
         b.problem(f[1], f"{shown(bias)} is true but not True: megatron-core 0.19.2's MLP.forward asserts "
                   "`add_bias_linear is True` on the fused bias-GeLU path (bias_activation_fusion with gelu and no gated "
