@@ -1664,3 +1664,37 @@ def test_variable_seq_lengths_is_true_is_refused_where_bridges_finalize_refuses_
     assert stops is (value == "true" and dispatcher is None)
     raw = read_bridge({}, "recipe llama3_8b", parse_overrides(overrides), recipe="llama3_8b")
     assert [p.key for p in raw.problems] == (["model.variable_seq_lengths"] if stops else []), raw.problems
+
+
+@pytest.mark.parametrize("layout", [None, "Et*5|(tttt|)*13tttt|mL"])
+@pytest.mark.parametrize("value", ["false", "0", "''"])
+def test_qk_l2_norm_on_an_mtp_stage_without_decoder_layers_is_what_bridge_builds(recipes, monkeypatch, value, layout):
+    """DeepSeek-V3 (MLA, one MTP layer): Bridge's mtp_block_spec (models/gpt_provider.py) re-derives the decoder layer
+    specs with ``qk_l2_norm=config.qk_l2_norm`` when the MTP's stage builds no decoder layer (the layout's last stage
+    'mL'), and megatron-core 0.19.2's MLA layer spec asserts ``qk_l2_norm is False``: 0 or '' stop that build, false
+    does not; with the recipe's own layout (a decoder layer beside the MTP) every false value builds. The MTP spec is
+    built as on the last of the 16 pipeline ranks (parallel_state's rank queries stood in: no process group on CPU)."""
+    from megatron.bridge.models.gpt_provider import mtp_block_spec
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.core import parallel_state
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    overrides = [f"model.qk_l2_norm={value}", "model.moe_token_dispatcher_type=alltoall"] + (
+        [f"model.pipeline_model_parallel_layout='{layout}'"] if layout else [])
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    cfg = process_config_with_overrides(recipes.deepseek_v3_pretrain_config(), cli_overrides=overrides)
+    _runtime_config_update(cfg, monkeypatch)
+    assert cfg.model.pipeline_model_parallel_size == 16 and cfg.model.mtp_num_layers == 1
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 15)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: 16)
+    try:
+        mtp_block_spec(cfg.model, vp_stage=None)
+        builds = True
+    except AssertionError as e:
+        assert "qk_l2_norm is not supported with MLA" in str(e)
+        builds = False
+    assert builds is (value == "false" or layout is None)
+    raw = read_bridge({}, "recipe deepseek_v3", parse_overrides(overrides), recipe="deepseek_v3")
+    assert [p.key for p in raw.problems] == ([] if builds else ["model.qk_l2_norm"]), raw.problems

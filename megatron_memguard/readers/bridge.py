@@ -27,11 +27,12 @@ from typing import Any, Iterable, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import python_scalar, shown
+from ..partition import parse_pipeline_layout
 from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
-    group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, model_bool_fields, peft_module_list,
-    refuse_unset_section_field, section_typed_field, set_vocab, target_name, true_or_false,
+    group_query_attention, is_missing, layout_text, map_mcore_fields, mcore_model_fields, model_bool_fields,
+    peft_module_list, refuse_unset_section_field, section_typed_field, set_vocab, target_name, true_or_false,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -169,6 +170,7 @@ def _identity_compared_model_flags(b: ArgsBuilder, model: Mapping[str, Field]) -
     ``variable_seq_lengths is True`` with the allgather token dispatcher (its default, dense models too): true stops
     Bridge's finalize, 1 or 'yes' do not."""
     _add_bias_linear_is_true(b, model)
+    _qk_l2_norm_is_false(b, model)
     f = model.get("variable_seq_lengths")
     disp = model.get("moe_token_dispatcher_type")
     if f is not None and python_scalar(f[0]) is True and (disp is None or disp[0] in (None, "allgather")):
@@ -214,6 +216,36 @@ def _add_bias_linear_is_true(b: ArgsBuilder, model: Mapping[str, Field]) -> None
                   "`add_bias_linear is True` on the fused bias-GeLU path (bias_activation_fusion with gelu and no gated "
                   "linear unit), so the model Megatron-Bridge 0.6.2 builds stops at the first training step",
                   "write true")
+
+
+def _qk_l2_norm_is_false(b: ArgsBuilder, model: Mapping[str, Field]) -> None:
+    """Bridge's mtp_block_spec (models/gpt_provider.py:373) re-derives the decoder layer specs with
+    ``qk_l2_norm=config.qk_l2_norm`` when the MTP's pipeline stage builds no decoder layer, and megatron-core 0.19.2's
+    MLA layer spec asserts ``qk_l2_norm is False`` (gpt_layer_specs.py:414): there 0 or '' stop the build, false
+    does not (a true value is refused with MLA by truth, as QKNormConfigResolver refuses it)."""
+    def value(name: str, default: Any) -> Any:
+        g = model.get(name)
+        return default if g is None or is_missing(g[0]) else python_scalar(g[0])
+
+    f = model.get("qk_l2_norm")
+    q = value("qk_l2_norm", None)
+    if f is None or q is None or q is False or q or not value("multi_latent_attention", False) \
+            or not value("mtp_num_layers", None):
+        return
+    layout, pp = value("pipeline_model_parallel_layout", None), value("pipeline_model_parallel_size", 1)
+    try:
+        if layout is not None:
+            stages = parse_pipeline_layout(str(layout_text(layout, "model.pipeline_model_parallel_layout")), int(pp))
+            empty = any("m" in st and "t" not in st for st in stages)
+        else:   # (without virtual stages: the last stage, which holds the MTP, builds its count of layers)
+            empty = int(pp) > 1 and value("num_layers_in_last_pipeline_stage", None) == 0 and \
+                not value("virtual_pipeline_model_parallel_size", None)
+    except (ConfigError, TypeError, ValueError):
+        return   # (a layout or size that is not one: refused under its own key by resolve)
+    if empty:
+        b.problem(f[1], f"{shown(q)} is false but not False: the MTP's pipeline stage builds no decoder layer, so "
+                  "Megatron-Bridge 0.6.2's mtp_block_spec passes it to megatron-core 0.19.2's multi-latent attention "
+                  "layer spec, which asserts `qk_l2_norm is False`", "write false")
 
 
 def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
