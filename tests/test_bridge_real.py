@@ -677,7 +677,8 @@ def _bridge_values(cfg) -> dict:
         "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length,
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
         "untie_embeddings_and_output_weights": not m.share_embeddings_and_output_weights,
-        "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
+        "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias,
+        "qk_layernorm": bool(m.qk_layernorm),   # (a value Bridge sets unchecked: the layer spec tests its truth)
         "gated_linear_unit": m.gated_linear_unit, "normalization": m.normalization,
         "multi_latent_attention": mla,
         "recompute_granularity": m.recompute_granularity, "recompute_method": m.recompute_method,
@@ -1231,6 +1232,30 @@ FINALIZED_LAUNCHES = [
     (8, ["--recipe", "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "model.moe_token_dispatcher_type=alltoall",
          "mixed_precision=bf16_with_fp8_current_scaling_mixed", "model.moe_router_padding_for_quantization=true"]),
     (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"]),
+    # issue bridge18 item 2: the recipes of memguard's table no launch above took, with overrides of their own
+    (1024, ["--recipe", "deepseek_v3_pretrain_config", "model.moe_token_dispatcher_type=alltoall",
+            "model.recompute_granularity=selective", "model.recompute_modules=[mla_up_proj,moe_act]", "-gb", "2048"]),
+    (32, ["--recipe", "qwen25_72b_pretrain_config", "-vp", "5", "model.sequence_parallel=true"]),
+    (64, ["--recipe", "qwen2_72b_pretrain_config", "-pp", "2", "model.recompute_granularity=full",
+          "model.recompute_method=uniform", "model.recompute_num_layers=1"]),
+    (32, ["--recipe", "qwen3_32b_pretrain_config", "-cp", "2", "model.recompute_granularity=selective",
+          "model.recompute_method=null", "model.recompute_num_layers=null"]),
+    (8, ["--recipe", "qwen25_7b_pretrain_config", "model.sequence_parallel=true", "-mb", "4",
+         "model.cross_entropy_loss_fusion=false"]),
+    (16, ["--recipe", "qwen3_14b_pretrain_config", "-tp", "4", "-pp", "2",
+          "model.account_for_embedding_in_pipeline_split=true", "model.account_for_loss_in_pipeline_split=true"]),
+    (64, ["--recipe", "llama31_70b_pretrain_config", "-cp", "4", "-sl", "32768"]),
+    (16, ["--recipe", "qwen2_7b_pretrain_config", "model.sequence_parallel=true", "ddp.overlap_grad_reduce=false"]),
+    (32, ["--recipe", "llama3_8b_16k_pretrain_config", "-vp", "4"]),
+    (8, ["--recipe", "qwen3_1p7b_pretrain_config", "-mb", "1", "-gb", "64", "model.qk_layernorm=yes"]),
+    (4, ["--recipe", "qwen3_8b_pretrain_4gpu_h100_bf16_config", "-tp", "2", "model.sequence_parallel=true"]),
+    (512, ["--recipe", "llama31_405b_pretrain_deterministic_config", "-gb", "256"]),
+    (8, ["--recipe", "qwen2_500m_pretrain_config", "model.share_embeddings_and_output_weights=false", "-sl", "8192"]),
+    # item 1: CommOverlapConfig's `is True` guards (comm_overlap.py:478, 520) skipped by 1 / yes: megatron-core's
+    # TransformerConfig.__post_init__ repeats the same checks by truth, so the overlap is on as for true
+    (16, ["--recipe", "deepseek_v2_lite_pretrain_config", "comm_overlap.overlap_moe_expert_parallel_comm=1",
+          "comm_overlap.delay_wgrad_compute=yes", "model.recompute_granularity=null", "model.recompute_method=null",
+          "model.recompute_num_layers=null", "model.moe_shared_expert_overlap=false", "-ep", "4"]),
 ]
 
 
@@ -1472,3 +1497,204 @@ def test_a_model_precision_flag_the_mixed_precision_preset_overwrites_is_the_pre
     L = resolve(raw, world_size=WORLD)
     assert (L.fp16, L.bf16) == (cfg.model.fp16, cfg.model.bf16) == (False, True)
     assert not any(w.startswith("model.fp16: ") for w in raw.warnings), raw.warnings
+
+
+# --- issue bridge18 item 1: model flags megatron-core compares with a bool (==, is) where the model is built ----------
+@pytest.mark.parametrize("value", ["false", "0", "0.0", "''", "[]"])
+def test_a_false_add_bias_linear_is_what_bridges_shared_experts_build_takes(recipes, monkeypatch, value):
+    """SharedExpertMLP.__init__ (megatron-core 0.19.2 transformer/moe/shared_experts.py:124) asserts
+    ``config.add_bias_linear == False``: Bridge's override path sets the value unchecked and finalize keeps it, so on
+    DeepSeek-V2-Lite (shared experts) 0 builds (0 == False) but '' or [] stop the build, although their truth is off.
+    memguard read every false value as off and estimated; now '' and [] are a problem naming the key."""
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    override = f"model.add_bias_linear={value}"
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.deepseek_v2_lite_pretrain_config(), cli_overrides=[override])
+    _runtime_config_update(cfg, monkeypatch)      # (finalize keeps the value: TransformerConfig tests its truth)
+    assert cfg.model.moe_shared_expert_intermediate_size and not cfg.model.add_bias_linear
+    try:   # (the assertion is the constructor's first check: submodules are not reached when it fails)
+        SharedExpertMLP(cfg.model, submodules=None, gate=False)
+        builds = True
+    except AssertionError as e:
+        assert "bias is not supported in the shared experts" in str(e)
+        builds = False
+    except Exception:   # noqa: BLE001 - past the assertion, the stand-in submodules stop it
+        builds = True
+    assert builds is (value in ("false", "0", "0.0"))
+    for raw in (read_bridge({}, "recipe deepseek_v2_lite", parse_overrides([override]), recipe="deepseek_v2_lite"),
+                raw_config(cfg)):
+        assert [p.key for p in raw.problems] == ([] if builds else ["model.add_bias_linear"]), raw.problems
+        if builds:
+            assert resolve(raw, world_size=WORLD).add_bias_linear is False
+        else:
+            assert "SharedExpertMLP asserts `add_bias_linear == False`" in str(raw.problems[0])
+
+
+@pytest.mark.parametrize("value", ["true", "1", "yes", "'false'", "false", "0"])
+def test_add_bias_linear_on_the_fused_bias_gelu_path_is_what_bridges_model_runs(recipes, monkeypatch, value):
+    """A GeLU MLP without a gated linear unit and with bias_activation_fusion (llama3_8b made so by overrides):
+    TransformerConfig.__post_init__ (megatron-core 0.19.2) refuses a false add_bias_linear by truth, and MLP.forward
+    (transformer/mlp.py:306) asserts ``add_bias_linear is True``: 1, 'yes' or the text 'false' build, then the first
+    training step stops. memguard estimated all of them; now a false value is refused under model.bias_activation_fusion
+    and a true value that is not True is a problem naming model.add_bias_linear. MLP.forward runs on the finalized
+    config with linears that hand back their input and the bias the config asks for (no parallel state on CPU)."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+    from megatron_memguard.resolve import resolve
+
+    overrides = ["model.activation_func=gelu", "model.gated_linear_unit=false", "model.bias_activation_fusion=true",
+                 f"model.add_bias_linear={value}"]
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=overrides)
+    raw = read_bridge({}, "recipe llama3_8b", parse_overrides(overrides), recipe="llama3_8b")
+    try:
+        _runtime_config_update(cfg, monkeypatch)
+    except ValueError as e:      # (TransformerConfig: the fused bias-GeLU without biases)
+        assert "add_bias_linear must also be True" in str(e) and value in ("false", "0")
+        with pytest.raises(ConfigError, match=r"^model\.bias_activation_fusion: the fused bias-GeLU needs biases"):
+            resolve(raw, world_size=WORLD)
+        return
+    assert cfg.model.activation_func is F.gelu and cfg.model.add_bias_linear
+
+    class Linear(torch.nn.Module):
+        def __init__(self, bias):
+            super().__init__()
+            self.bias = bias
+
+        def forward(self, x):
+            return x, self.bias
+
+    mlp = types.SimpleNamespace(config=cfg.model, activation_func=cfg.model.activation_func,
+                                linear_fc1=Linear(torch.zeros(8)), linear_fc2=Linear(None))
+    try:
+        MLP.forward(mlp, torch.randn(2, 1, 8))
+        steps = True
+    except AssertionError:
+        steps = False
+    assert steps is (value == "true")
+    assert [p.key for p in raw.problems] == ([] if steps else ["model.add_bias_linear"]), raw.problems
+    if steps:
+        assert resolve(raw, world_size=WORLD).add_bias_linear is True
+    else:
+        assert "MLP.forward asserts `add_bias_linear is True`" in str(raw.problems[0])
+
+
+@pytest.mark.parametrize("mtp", ["2", "null"])
+def test_an_mtp_count_the_recipes_layout_does_not_place_is_refused_as_bridge_refuses_it(recipes, monkeypatch, mtp):
+    """deepseek_v3_pretrain_config's pipeline_model_parallel_layout places one MTP layer ('m'): Bridge's finalize asserts
+    the layout's count is mtp_num_layers (2, or none for null); memguard refuses the layout by its key."""
+    from megatron_memguard.errors import ConfigError
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+    from megatron_memguard.resolve import resolve
+
+    argv = ["--recipe", "deepseek_v3_pretrain_config", "model.moe_token_dispatcher_type=alltoall", f"model.mtp_num_layers={mtp}"]
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    cfg = run_recipe_main("v0.6.0", argv, monkeypatch)
+    with pytest.raises(AssertionError, match="Number of mtp layers in layout must match mtp_num_layers"):
+        _runtime_config_update(cfg, monkeypatch)
+    with pytest.raises(ConfigError, match=r"^model\.pipeline_model_parallel_layout \(recipe deepseek_v3\): places 1 MTP"):
+        resolve(read_run_recipe(argv)[1], world_size=1024)
+
+
+def test_every_pretraining_recipe_bridge_ships_is_read_or_refused_by_name_with_the_reason(recipes):
+    """Each pretraining recipe function megatron.bridge.recipes 0.6.2 exports: memguard's table reads it (those are
+    finalized field by field above), or --recipe / --model refuse it by name with the reason (unmodelled_recipes in
+    data/presets.yaml); none falls to the bare 'not a recipe memguard has'. A function Bridge adds fails here."""
+    import inspect
+
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.models import read_model, recipe_for_function
+    from megatron_memguard.readers.run_recipe import read_run_recipe
+
+    functions = sorted(n for n in dir(recipes) if "_pretrain" in n and inspect.isfunction(getattr(recipes, n)))
+    read, refused = [], []
+    for fn in functions:
+        if recipe_for_function(fn):
+            read_run_recipe(["--recipe", fn])
+            read.append(fn)
+            continue
+        for call, key in ((lambda: read_run_recipe(["--recipe", fn]), f"--recipe {fn}"), (lambda: read_model(fn), "--model")):
+            with pytest.raises(NotModelledError, match=rf"^{key}: the Megatron-Bridge recipe '{fn}' \(.+; its run_config"):
+                call()
+        refused.append(fn)
+    # every pretraining function of memguard's table is one Bridge ships (84 in 0.6.2; its 12 PEFT ones: tests above)
+    from megatron_memguard.readers.models import presets
+    table = {fn for r in presets()["recipes"].values() for fn in r["functions"]}
+    assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 84
+    assert len(refused) == len(functions) - 84 > 0
+
+
+@pytest.mark.parametrize("dispatcher", [None, "alltoall"])
+@pytest.mark.parametrize("value", ["true", "1", "yes", "false"])
+def test_variable_seq_lengths_is_true_is_refused_where_bridges_finalize_refuses_it(recipes, monkeypatch, value,
+                                                                                     dispatcher):
+    """TransformerConfig.__post_init__ (megatron-core 0.19.2) raises for ``variable_seq_lengths is True`` with the
+    allgather token dispatcher, the default of a dense recipe too; 1 or 'yes' pass (and are on). memguard estimated
+    true; now it is a problem naming the key, as Bridge's finalize stops."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    overrides = [f"model.variable_seq_lengths={value}"] + ([f"model.moe_token_dispatcher_type={dispatcher}"]
+                                                             if dispatcher else [])
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    cfg = process_config_with_overrides(recipes.llama3_8b_pretrain_config(), cli_overrides=overrides)
+    try:
+        _runtime_config_update(cfg, monkeypatch)
+        stops = False
+    except ValueError as e:
+        assert "does not support variable sequence length" in str(e)
+        stops = True
+    assert stops is (value == "true" and dispatcher is None)
+    raw = read_bridge({}, "recipe llama3_8b", parse_overrides(overrides), recipe="llama3_8b")
+    assert [p.key for p in raw.problems] == (["model.variable_seq_lengths"] if stops else []), raw.problems
+
+
+@pytest.mark.parametrize("layout", [None, "Et*5|(tttt|)*13tttt|mL"])
+@pytest.mark.parametrize("value", ["false", "0", "''"])
+def test_qk_l2_norm_on_an_mtp_stage_without_decoder_layers_is_what_bridge_builds(recipes, monkeypatch, value, layout):
+    """DeepSeek-V3 (MLA, one MTP layer): Bridge's mtp_block_spec (models/gpt_provider.py) re-derives the decoder layer
+    specs with ``qk_l2_norm=config.qk_l2_norm`` when the MTP's stage builds no decoder layer (the layout's last stage
+    'mL'), and megatron-core 0.19.2's MLA layer spec asserts ``qk_l2_norm is False``: 0 or '' stop that build, false
+    does not; with the recipe's own layout (a decoder layer beside the MTP) every false value builds. The MTP spec is
+    built as on the last of the 16 pipeline ranks (parallel_state's rank queries stood in: no process group on CPU)."""
+    from megatron.bridge.models.gpt_provider import mtp_block_spec
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.core import parallel_state
+
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    overrides = [f"model.qk_l2_norm={value}", "model.moe_token_dispatcher_type=alltoall"] + (
+        [f"model.pipeline_model_parallel_layout='{layout}'"] if layout else [])
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    cfg = process_config_with_overrides(recipes.deepseek_v3_pretrain_config(), cli_overrides=overrides)
+    _runtime_config_update(cfg, monkeypatch)
+    assert cfg.model.pipeline_model_parallel_size == 16 and cfg.model.mtp_num_layers == 1
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 15)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: 16)
+    try:
+        mtp_block_spec(cfg.model, vp_stage=None)
+        builds = True
+    except AssertionError as e:
+        assert "qk_l2_norm is not supported with MLA" in str(e)
+        builds = False
+    assert builds is (value == "false" or layout is None)
+    raw = read_bridge({}, "recipe deepseek_v3", parse_overrides(overrides), recipe="deepseek_v3")
+    assert [p.key for p in raw.problems] == ([] if builds else ["model.qk_l2_norm"]), raw.problems

@@ -428,3 +428,22 @@ def test_a_model_file_typo_warns_and_other_providers_keep_the_old_warning(tmp_pa
     gemma = read(tmp_path, FLAT.replace(gpt, "  _target_: megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider"
                                              "\n  attn_logit_softcapping: 50.0\n", 1))
     assert "model.attn_logit_softcapping: not a megatron-core / Megatron-Bridge model setting; ignored" in gemma.warnings
+
+
+@pytest.mark.parametrize("recipe, extra, problem", [
+    ("llama3_8b", [], True),                                          # dense: MLP (gpt_layer_specs, core 0.19.2)
+    ("llama3_8b", ["model.use_transformer_engine_op_fuser=true"], False),   # dense: TEFusedMLP, no MLP.forward
+    ("qwen3_30b_a3b", [], False),                                     # every layer MoE, grouped GEMM: TEGroupedMLP
+    ("qwen3_30b_a3b", ["model.moe_grouped_gemm=false"], True),        # SequentialMLP: an MLP per expert
+    ("qwen3_30b_a3b", ["model.moe_layer_freq=2"], True),              # its dense layers: MLP
+])
+def test_add_bias_linear_is_true_where_mlp_forward_runs(recipe, extra, problem):
+    """MLP.forward asserts ``add_bias_linear is True`` on the fused bias-GeLU path (megatron-core 0.19.2 mlp.py:306;
+    against real Bridge: tests/test_bridge_real.py); memguard names the key only where the model runs MLP.forward."""
+    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers.bridge import read_bridge
+
+    overrides = ["model.activation_func=gelu", "model.gated_linear_unit=false", "model.bias_activation_fusion=true",
+                 "model.add_bias_linear=1", *extra]
+    raw = read_bridge({}, f"recipe {recipe}", parse_overrides(overrides), recipe=recipe)
+    assert [p.key for p in raw.problems] == (["model.add_bias_linear"] if problem else []), raw.problems

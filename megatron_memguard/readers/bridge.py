@@ -27,11 +27,12 @@ from typing import Any, Iterable, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ..numbers import python_scalar, shown
+from ..partition import parse_pipeline_layout
 from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
-    group_query_attention, is_missing, map_mcore_fields, mcore_model_fields, model_bool_fields, peft_module_list,
-    refuse_unset_section_field, section_typed_field, set_vocab, true_or_false,
+    group_query_attention, is_missing, layout_text, map_mcore_fields, mcore_model_fields, model_bool_fields,
+    peft_module_list, refuse_unset_section_field, section_typed_field, set_vocab, target_name, true_or_false,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -155,6 +156,96 @@ def _bridge_bools(b: ArgsBuilder, fields: dict[str, Field], names: Iterable[str]
         value = python_scalar(f[0])
         if value is not None and not isinstance(value, bool):
             fields[name] = (bool(value) if name in overwritten else bridge_truth(b, value, f[1]), f[1])
+
+
+def _identity_compared_model_flags(b: ArgsBuilder, model: Mapping[str, Field]) -> None:
+    """Model flags megatron-core 0.19.2 compares with a bool (``==``, ``is``) rather than by truth where the model is
+    built, read before _bridge_bools turns the value into its truth. Bridge's override path sets any value unchecked
+    (bridge_truth), so a value whose truth alone would build stops Bridge there; each is a problem naming the key.
+    SharedExpertMLP.__init__ (transformer/moe/shared_experts.py:124) asserts ``config.add_bias_linear == False`` in
+    every MoE layer of a model with shared experts: 0 passes (0 == False), '' or [] (false, but not == False) fail.
+    MLP.forward (transformer/mlp.py:306) asserts ``config.add_bias_linear is True`` on its fused bias-GeLU path
+    (bias_activation_fusion, activation F.gelu, no gated linear unit, no TE activation function): there 1 or 'yes'
+    build, then the first training step stops. TransformerConfig.__post_init__ (transformer_config.py:2645) raises for
+    ``variable_seq_lengths is True`` with the allgather token dispatcher (its default, dense models too): true stops
+    Bridge's finalize, 1 or 'yes' do not."""
+    _add_bias_linear_is_true(b, model)
+    _qk_l2_norm_is_false(b, model)
+    f = model.get("variable_seq_lengths")
+    disp = model.get("moe_token_dispatcher_type")
+    if f is not None and python_scalar(f[0]) is True and (disp is None or disp[0] in (None, "allgather")):
+        b.problem(f[1], "is True with the allgather token dispatcher (TransformerConfig's default): megatron-core "
+                  "0.19.2's TransformerConfig raises \"allgather does not support variable sequence length\", so "
+                  "Megatron-Bridge 0.6.2's finalize stops", "leave it false, or set "
+                  "model.moe_token_dispatcher_type=alltoall")
+    f, shared, experts = (model.get(n) for n in ("add_bias_linear", "moe_shared_expert_intermediate_size",
+                                                   "num_moe_experts"))
+    if f is None or shared is None or experts is None or any(is_missing(x[0]) for x in (f, shared, experts)):
+        return
+    value = python_scalar(f[0])
+    if not python_scalar(shared[0]) or not python_scalar(experts[0]) or value is None or value or value == False:  # noqa: E712
+        return   # (no shared experts; null: refused as null; a true value: refused with shared experts by resolve)
+    b.problem(f[1], f"{shown(value)} is false but not == False: megatron-core 0.19.2's SharedExpertMLP asserts "
+              "`add_bias_linear == False`, so Megatron-Bridge 0.6.2 fails building this model's shared experts "
+              f"({shared[1]})", "write false")
+
+
+def _add_bias_linear_is_true(b: ArgsBuilder, model: Mapping[str, Field]) -> None:
+    """The ``add_bias_linear is True`` assertion of MLP.forward (_identity_compared_model_flags), where a model runs
+    MLP.forward: a dense model without TE's operation fuser (TEFusedMLP), or MoE experts without grouped GEMM
+    (SequentialMLP), or the dense layers of a MoE model (moe_layer_freq)."""
+    def value(name: str, default: Any) -> Any:
+        f = model.get(name)
+        return default if f is None or is_missing(f[0]) else python_scalar(f[0])
+
+    f = model.get("add_bias_linear")
+    bias = value("add_bias_linear", None)
+    act = target_name(value("activation_func", None)) or "gelu"   # (TransformerConfig: F.gelu)
+    if (f is None or not bias or bias is True or not value("bias_activation_fusion", False) or act != "gelu"
+            or value("gated_linear_unit", False) or value("use_te_activation_func", False)):
+        return
+    freq = value("moe_layer_freq", 1)
+    dense_layers = (isinstance(freq, int) and freq > 1) or (isinstance(freq, (list, tuple)) and 0 in freq)
+    fuser = value("use_transformer_engine_op_fuser", False)   # (TEFusedMLP for the dense MLPs)
+    if not value("num_moe_experts", None):
+        runs = not fuser
+    else:
+        runs = not value("moe_grouped_gemm", False) or (dense_layers and not fuser)
+    if runs:
+        b.problem(f[1], f"{shown(bias)} is true but not True: megatron-core 0.19.2's MLP.forward asserts "
+                  "`add_bias_linear is True` on the fused bias-GeLU path (bias_activation_fusion with gelu and no gated "
+                  "linear unit), so the model Megatron-Bridge 0.6.2 builds stops at the first training step",
+                  "write true")
+
+
+def _qk_l2_norm_is_false(b: ArgsBuilder, model: Mapping[str, Field]) -> None:
+    """Bridge's mtp_block_spec (models/gpt_provider.py:373) re-derives the decoder layer specs with
+    ``qk_l2_norm=config.qk_l2_norm`` when the MTP's pipeline stage builds no decoder layer, and megatron-core 0.19.2's
+    MLA layer spec asserts ``qk_l2_norm is False`` (gpt_layer_specs.py:414): there 0 or '' stop the build, false
+    does not (a true value is refused with MLA by truth, as QKNormConfigResolver refuses it)."""
+    def value(name: str, default: Any) -> Any:
+        g = model.get(name)
+        return default if g is None or is_missing(g[0]) else python_scalar(g[0])
+
+    f = model.get("qk_l2_norm")
+    q = value("qk_l2_norm", None)
+    if f is None or q is None or q is False or q or not value("multi_latent_attention", False) \
+            or not value("mtp_num_layers", None):
+        return
+    layout, pp = value("pipeline_model_parallel_layout", None), value("pipeline_model_parallel_size", 1)
+    try:
+        if layout is not None:
+            stages = parse_pipeline_layout(str(layout_text(layout, "model.pipeline_model_parallel_layout")), int(pp))
+            empty = any("m" in st and "t" not in st for st in stages)
+        else:   # (without virtual stages: the last stage, which holds the MTP, builds its count of layers)
+            empty = int(pp) > 1 and value("num_layers_in_last_pipeline_stage", None) == 0 and \
+                not value("virtual_pipeline_model_parallel_size", None)
+    except (ConfigError, TypeError, ValueError):
+        return   # (a layout or size that is not one: refused under its own key by resolve)
+    if empty:
+        b.problem(f[1], f"{shown(q)} is false but not False: the MTP's pipeline stage builds no decoder layer, so "
+                  "Megatron-Bridge 0.6.2's mtp_block_spec passes it to megatron-core 0.19.2's multi-latent attention "
+                  "layer spec, which asserts `qk_l2_norm is False`", "write false")
 
 
 def _fsdp_checkpoint_format(b: ArgsBuilder, S: Mapping[str, Mapping[str, Field]], recipe: str | None) -> None:
@@ -577,6 +668,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     b.set("bridge_config", True, "Megatron-Bridge ConfigContainer")
     # flags given another value than true / false (model.sequence_parallel=1, =yes, ='false'): what Bridge builds
     mp_given = top.get("mixed_precision", (None,))[0] is not None or bool(S.get("mixed_precision"))
+    _identity_compared_model_flags(b, S.get("model", {}))
     _bridge_bools(b, S.get("model", {}), model_bool_fields(), frozenset(_MP_BOOLS) if mp_given else frozenset())
     _bridge_bools(b, S.get("mixed_precision", {}), _MP_BOOLS)
     _bridge_bools(b, S.get("comm_overlap", {}), _COMM_OVERLAP_TRUTH)

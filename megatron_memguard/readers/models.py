@@ -68,7 +68,7 @@ def find_recipe(name: str) -> str | None:
 
 
 def unmodelled_recipe(name: str, key: str = "--model") -> None:
-    """Refuse, naming why, a Megatron-Bridge MoE recipe memguard has no entry for
+    """Refuse, naming why, a Megatron-Bridge recipe memguard has no entry for
     (``unmodelled_recipes`` in data/presets.yaml)."""
     from ..errors import NotModelledError
 

@@ -70,6 +70,11 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
     bias_act_fusion = a.bool_arg("bias_activation_fusion", bias_swiglu if kw["swiglu"] else bias_gelu)
     if kw["squared_relu"]:
         bias_act_fusion = False
+    elif bias_act_fusion and not add_bias and not kw["gated_linear_unit"]:
+        # TransformerConfig.__post_init__ (core 0.19.2) raises it; a Bridge / YAML config can ask for it (Megatron's
+        # flags cannot: without biases the bias-GeLU fusion is off)
+        a.fail("bias_activation_fusion", "the fused bias-GeLU needs biases: with gelu and no gated linear unit, "
+               "add_bias_linear must be true (TransformerConfig)", "set add_bias_linear true or bias_activation_fusion false")
     apply_rope_fusion = a.bool_arg("apply_rope_fusion", True) and kw["position_embedding_type"] == "rope"
     softmax_type = str(a.get("softmax_type") or "vanilla")
     if softmax_type not in SOFTMAX_TYPES:
