@@ -95,6 +95,29 @@ def megatron_era(ns: argparse.Namespace, log: Any) -> tuple[str | None, str]:
                   "give --megatron-version for an older run")
 
 
+def run_gpu(ns: argparse.Namespace, evidence: Sequence[Any], where: str) -> tuple[Any, Any, str]:
+    """(GPU table entry, --gpu-memory in bytes, how the GPU was found) for a run whose files give ``evidence``
+    (calibrate/gpu_evidence.py, as ``memguard calibrate`` reads it): --gpu when given (a ReaderError naming the
+    file when the files contradict it), else the one entry the files name, else the default (H100-80GB) when the
+    files name nothing or fit it among others; --gpu-memory alone keeps its figure."""
+    from ..calibrate.gpu_evidence import FALLBACK, infer_gpu
+    from ..errors import ReaderError
+    from ..gpus import GPUS
+
+    gpu, mem = target_gpu(ns)
+    if ns.gpu is not None:
+        infer_gpu(where, evidence, gpu)         # (raises on a contradiction)
+        return gpu, mem, ""
+    if ns.gpu_memory is not None or not evidence:
+        return gpu, mem, ""
+    found = infer_gpu(where, evidence, None)
+    if found.gpu is not None:
+        return found.gpu, mem, found.note
+    if FALLBACK in found.fits:
+        return GPUS[FALLBACK], mem, f"{found.said} fits {' or '.join(sorted(found.fits))}; {FALLBACK} assumed"
+    raise ReaderError(f"{where}: {found.said} fits {' or '.join(sorted(found.fits))}, not one GPU; give --gpu")
+
+
 def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> tuple[Any, Any, bool, Any]:
     """(raw config, estimate at DP rank 0, tp-pp-dp rank order, the estimate at an (optimizer rank, expert
     optimizer rank) position) for a Megatron log: the configuration from --config / --model / flags, else from
@@ -114,7 +137,11 @@ def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> t
     log.notes.append(why)
     layout = resolve(raw, world_size=resolve_world(ns) or raw.world_size, megatron_version=version,
                      vocab_size=ns.vocab_size)
-    gpu, mem = target_gpu(ns)
+    from ..calibrate.runs import megatron_evidence
+    gpu, mem, found = (run_gpu(ns, megatron_evidence(log), ", ".join(ns.logdir)) if ns.device == "gpu"
+                       else (*target_gpu(ns), ""))
+    if found:
+        log.notes.append(found)
     site = target_site(ns)
     est = estimate(layout, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, dp_rank=0, site=site)
 
@@ -150,6 +177,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
                                     f"{' '.join(flags)}); the files carry their predictions")
         from ..report.runlog import read_run
         log = read_run(ns.logdir, run=ns.run, skip_bad_lines=ns.skip_bad_lines, warn=warn)
+        log.notes.extend(_jsonl_gpu(ns, log))
     else:
         from ..report.megatron_log import read_megatron_logs
         from ..report.megatron_run import megatron_runlog, rank_position
@@ -172,8 +200,10 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         if not mlog.memory:      # only an out-of-memory error: the forensics are the report
             return _oom_only(ns, mlog, forensics)
         log = megatron_runlog(mlog, est, tp_pp_dp, at=at)
+        named = any(n.startswith("GPU ") for n in mlog.notes)     # (run_gpu's note: the files named it)
         where = "a CPU run" if ns.device == "cpu" else (
-            f"{est.gpu or 'GPU'}" + ("" if ns.gpu or ns.gpu_memory else " (the default; --gpu names the run's GPU)"))
+            f"{est.gpu or 'GPU'}" + ("" if ns.gpu or ns.gpu_memory or named
+                                     else " (the default; --gpu names the run's GPU)"))
         log.notes.append(f"prediction from {raw.source}; {where}")
     if ns.json:
         doc = to_json(log)
@@ -192,6 +222,39 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         write(plot, ns.out, fmt, lambda p: report_html(log, p), "--out", stream=stream)
         print(f"memguard: report written to {path_text(ns.out)}", file=sys.stderr)
     return EXIT_FITS if verdict(log, metrics_of(log))["ok"] and not forensics else EXIT_PROBLEM
+
+
+def _jsonl_gpu(ns: argparse.Namespace, log: Any) -> list[str]:
+    """Notes on the GPU of a run read from memguard's JSONL, whose predictions were made on the device the hook
+    saw: the measured device of its start records (``gpu_device``) against --gpu (an error naming the file when
+    they disagree) and against the GPU the recorded predictions assumed (a note when they differ)."""
+    from ..calibrate.gpu_evidence import infer_gpu
+    from ..calibrate.runs import jsonl_evidence
+
+    from ..errors import MemguardError
+    from ..gpus import lookup_gpu
+
+    evidence = jsonl_evidence(log, log.location, decision=False)
+    if ns.gpu is not None:
+        infer_gpu(log.location, evidence, lookup_gpu(ns.gpu))      # (raises on a contradiction)
+        return []
+    if not evidence:
+        return []
+    found = infer_gpu(log.location, evidence, None)
+    fits = frozenset([found.gpu.name]) if found.gpu is not None else found.fits
+    out = [found.note] if found.note else []
+    decided = set()
+    for r in log.ranks:
+        d = ((((r.start or {}).get("context") or {}).get("decision")) or {}).get("gpu")
+        try:
+            decided.add(lookup_gpu(d).name)
+        except (MemguardError, TypeError, ValueError, AttributeError):   # (none recorded, or outside the table)
+            continue
+    for d in sorted(decided):
+        if d not in fits:
+            out.append(f"the recorded predictions assumed {d}, but the run's device is {' or '.join(sorted(fits))} "
+                       f"({evidence[0].text}): its capacity and terms are those of {d}")
+    return out
 
 
 def _oom_only(ns: argparse.Namespace, mlog: Any, forensics: list[Any]) -> int:
