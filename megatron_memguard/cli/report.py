@@ -11,8 +11,9 @@ A directory with ``memguard-rankNNNNN.jsonl`` files (the hook's / callbacks' ``-
 as memguard's own log, with the predictions it recorded. Any other log is read as Megatron's output: the
 ``[Rank N] (after K iterations) memory (MB) | ...`` lines of ``report_memory``, compared with the
 prediction for each rank's pipeline stage; the configuration comes from ``--config`` / flags after ``--``,
-else from the argument table Megatron prints at start-up. A CUDA out-of-memory error in the log gets its
-forensics: the stage and term the estimate blames and how far off it was.
+else from the argument table Megatron prints at start-up; the GPU from --gpu, else from what the log's own lines
+say (calibrate/gpu_evidence.py, as ``memguard calibrate`` reads it), else H100-80GB. A CUDA out-of-memory error in
+the log gets its forensics: the stage and term the estimate blames and how far off it was.
 
 Exit codes: 0 every rank within its prediction + tolerance; 1 a rank exceeded it or ran out of
 memory; 2 bad input (missing or empty directory, a malformed line, a log without memory lines).
