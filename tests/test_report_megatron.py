@@ -257,3 +257,53 @@ def test_report_predicts_an_older_table_with_its_eras_rules(tmp_path):
     assert [x["predicted_peak_allocated"] for x in doc["ranks"]] == [est19.stages[x["pp_rank"]].peak_allocated_bytes
                                                                     for x in doc["ranks"]]
     assert any("megatron-core 0.19 rules (--megatron-version)" in n for n in doc["notes"])
+
+
+def test_report_judges_against_the_gpu_the_log_names(tmp_path):
+    # `nvidia-smi -L` as the job printed it before training (the format tests/test_calibrate_gpu.py reads), naming
+    # an A100 80GB: without --gpu the prediction is the A100-80GB one (its device total 79.35 GiB, gpus.py), as
+    # `memguard calibrate` reads the same line (calibrate/gpu_evidence.py); --gpu H100-80GB contradicts it
+    a100 = lookup_gpu("A100-80GB")
+    est = estimate(layout(), gpu=a100, dp_rank=0)
+    smi = [f"GPU {i}: NVIDIA A100-SXM4-80GB (UUID: GPU-5c7b0d2a-9e1f-4c3b-8a2d-1f0e9d8c7b6{i})" for i in range(2)]
+    log = _combined_log(tmp_path, est, extra=smi)
+    r = _report(str(log), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [x["predicted_peak_reserved"] for x in doc["ranks"]] == \
+        [est.stages[x["pp_rank"]].peak_reserved_bytes for x in doc["ranks"]]
+    # (the H100 prediction differs: Hopper's workspaces, PyTorch's cuBLAS 2 x 32 MiB instead of 2 x 8.125 MiB and
+    # TE's 32 MiB + 1 KiB instead of 4 MiB: 2 x 25,034,752 + 29,361,152 = 79,430,656 bytes more per stage)
+    h100 = estimate(layout(), gpu=H100, dp_rank=0)
+    assert h100.stages[0].persistent_bytes - est.stages[0].persistent_bytes == 79_430_656
+    assert est.gpu_memory_bytes == a100.memory_bytes != H100.memory_bytes
+    assert any(n.startswith("GPU A100-80GB, from nvidia-smi -L 'NVIDIA A100-SXM4-80GB'") for n in doc["notes"]), doc["notes"]
+    assert "the default" not in _report(str(log)).stdout
+    r = _report(str(log), "--gpu", "H100-80GB")
+    assert r.returncode == 2 and "--gpu H100-80GB conflicts with the run's own files" in r.stderr, r.stderr
+    assert f"{log}:" in r.stderr and "A100-80GB" in r.stderr and "Traceback" not in r.stderr
+    assert _report(str(log), "--gpu", "A100-80GB").returncode == 0
+    # a log that names no GPU: the default, said so
+    plain = _combined_log(tmp_path, estimate(layout(), gpu=H100, dp_rank=0))
+    assert "H100-80GB (the default; --gpu names the run's GPU)" in _report(str(plain)).stdout
+
+
+def test_report_reads_the_gpu_of_memguards_jsonl(tmp_path):
+    # the runtime monitor's start record on an A100 80GB (torch.cuda.get_device_properties: name, total_memory),
+    # its pre-flight told H100-80GB: the report says which GPU ran and that the predictions assumed another
+    from test_calibrate_gpu import _jsonl_run
+    d = tmp_path / "logs"
+    _jsonl_run(d, {"name": "NVIDIA A100-SXM4-80GB", "total_memory": 85_198_045_184, "index": 0}, "H100-80GB")
+    r = _report(str(d), "--json")
+    notes = json.loads(r.stdout)["notes"]
+    assert any(n.startswith("GPU A100-80GB, from the JSONL's device of rank 0") for n in notes), notes
+    assert any(n.startswith("the recorded predictions assumed H100-80GB, but the run's device is A100-80GB")
+               for n in notes), notes
+    r = _report(str(d), "--gpu", "H100-80GB")
+    assert r.returncode == 2 and "--gpu H100-80GB conflicts with the run's own files" in r.stderr, r.stderr
+    assert str(d) in r.stderr and "Traceback" not in r.stderr
+    # the pre-flight told the device's own GPU: nothing to say against it
+    d2 = tmp_path / "logs2"
+    _jsonl_run(d2, {"name": "NVIDIA A100-SXM4-80GB", "total_memory": 85_198_045_184, "index": 0}, "A100-80GB")
+    notes = json.loads(_report(str(d2), "--json", "--gpu", "A100-80GB").stdout)["notes"]
+    assert not any("recorded predictions assumed" in n for n in notes), notes

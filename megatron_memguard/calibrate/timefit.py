@@ -13,7 +13,8 @@ A constant is fitted only when
   elasticity, measured by slowing the constant by ``STEP``: the network counts only where transfers are exposed);
 * the runs **tell it apart** from the other fitted constants: fitted together with them (least squares on the
   model linearised at the defaults), its log is pinned to within ``SE_MAX`` (one standard error, from the runs'
-  own scatter about the model, ``robust_scale``). Two constants whose shares of every run's step keep nearly the
+  own scatter about the model, ``scatter``: at the defaults or after that linearised fit, whichever is smaller,
+  so that runs whose shares of a constant differ do not count its offset from the default as noise). Two constants whose shares of every run's step keep nearly the
   same ratio shift all predictions alike: only their product is known (as the CUDA context absorbs the NCCL
   buffers in the memory fit when every run has the same communicators). Constants are taken largest share first,
   so the one with the larger share is fitted and the other keeps its value, with the reason;
@@ -117,13 +118,41 @@ def _sine(a: Sequence[float], b: Sequence[float]) -> float:
     return math.sqrt(max(0.0, 1 - cos * cos))
 
 
-def robust_scale(errors: Sequence[float]) -> float:
+def robust_scale(errors: Sequence[float], floor: float = 0.01) -> float:
     """The runs' scatter about the model: 1.4826 x the median absolute deviation of their residuals (the standard
-    deviation for a normal scatter, unmoved by a few modelling gaps), at least 1%."""
+    deviation for a normal scatter, unmoved by a few modelling gaps), at least ``floor`` (1%)."""
     if len(errors) < 2:
         return 1.0
     m = statistics.median(errors)
-    return max(0.01, 1.4826 * statistics.median(abs(e - m) for e in errors))
+    return max(floor, 1.4826 * statistics.median(abs(e - m) for e in errors))
+
+
+def linear_residuals(E: Sequence[Sequence[float]], cols: Sequence[int], errors: Sequence[float]) -> list[float] | None:
+    """The runs' residuals left by the least-squares fit of ``errors`` (log(measured / predicted) at the defaults)
+    on the elasticity columns ``cols`` of ``E``: the fit of the model linearised at the defaults, which costs no
+    prediction. None when the columns are linearly dependent."""
+    m = [[sum(row[p] * row[q] for row in E) for q in cols] for p in cols]
+    x = _solve(m, [sum(row[p] * e for row, e in zip(E, errors)) for p in cols])
+    if x is None:
+        return None
+    return [e - sum(xj * row[c] for xj, c in zip(x, cols)) for row, e in zip(E, errors)]
+
+
+def scatter(E: Sequence[Sequence[float]], cols: Sequence[int], errors: Sequence[float]) -> float:
+    """The runs' scatter about the model for the standard errors of ``cols``: ``robust_scale`` of the residuals at
+    the defaults, or of those left by the linearised fit on ``cols`` (scaled by sqrt(n / (n - k)) for the k
+    constants it took: n residuals fitted with k constants are k degrees of freedom tighter) when smaller. A
+    constant away from its default spreads the defaults' residuals of runs whose shares of it differ; that spread
+    is the offset being fitted, not noise, and the linearised fit takes it out. Noise the columns cannot follow
+    stays in both."""
+    base = robust_scale(errors)
+    n, k = len(errors), len(cols)
+    if n - k < 2:                   # (too few runs left over to read a scatter from)
+        return base
+    left = linear_residuals(E, cols, errors)
+    if left is None:
+        return base
+    return min(base, max(0.01, robust_scale(left, floor=0.0) * math.sqrt(n / (n - k))))
 
 
 def standard_errors(E: Sequence[Sequence[float]], cols: Sequence[int], sigma: float) -> list[float]:
@@ -192,7 +221,6 @@ def fit_time_constants(runs: Sequence[TimedRun], defaults: Mapping[str, float], 
     share = {n: sum(row[j] for row in E) for j, n in enumerate(names)}
     status: dict[str, tuple[str, str]] = {}
     free: list[str] = []
-    sigma = robust_scale(before)
     for n in sorted(names, key=lambda n: -share[n]):       # the largest share first: it is kept when two confound
         c = TIME_SPEC[n]
         if fit_only is not None and n not in fit_only:
@@ -204,7 +232,8 @@ def fit_time_constants(runs: Sequence[TimedRun], defaults: Mapping[str, float], 
                                                                      "traffic crosses nodes" if n == "network_gbps"
                                                                      else ""))
             continue
-        se = standard_errors(E, [names.index(f) for f in free + [n]], sigma)
+        cols = [names.index(f) for f in free + [n]]
+        se = standard_errors(E, cols, scatter(E, cols, before))
         if se[-1] > SE_MAX:
             col = [row[names.index(n)] for row in E]
             twin = max(free, key=lambda f: 1 - _sine(col, [row[names.index(f)] for row in E]), default=None)
@@ -238,4 +267,4 @@ def fit_time_constants(runs: Sequence[TimedRun], defaults: Mapping[str, float], 
 
 
 __all__ = ["TimedRun", "TimeFit", "TimeConstantResult", "fit_time_constants", "least_absolute", "elasticities",
-           "residuals", "robust_scale", "standard_errors", "SHOW", "SE_MAX", "GAP"]
+           "residuals", "robust_scale", "linear_residuals", "scatter", "standard_errors", "SHOW", "SE_MAX", "GAP"]

@@ -11,8 +11,9 @@ A directory with ``memguard-rankNNNNN.jsonl`` files (the hook's / callbacks' ``-
 as memguard's own log, with the predictions it recorded. Any other log is read as Megatron's output: the
 ``[Rank N] (after K iterations) memory (MB) | ...`` lines of ``report_memory``, compared with the
 prediction for each rank's pipeline stage; the configuration comes from ``--config`` / flags after ``--``,
-else from the argument table Megatron prints at start-up. A CUDA out-of-memory error in the log gets its
-forensics: the stage and term the estimate blames and how far off it was.
+else from the argument table Megatron prints at start-up; the GPU from --gpu, else from what the log's own lines
+say (calibrate/gpu_evidence.py, as ``memguard calibrate`` reads it), else H100-80GB. A CUDA out-of-memory error in
+the log gets its forensics: the stage and term the estimate blames and how far off it was.
 
 Exit codes: 0 every rank within its prediction + tolerance; 1 a rank exceeded it or ran out of
 memory; 2 bad input (missing or empty directory, a malformed line, a log without memory lines).
@@ -95,6 +96,29 @@ def megatron_era(ns: argparse.Namespace, log: Any) -> tuple[str | None, str]:
                   "give --megatron-version for an older run")
 
 
+def run_gpu(ns: argparse.Namespace, evidence: Sequence[Any], where: str) -> tuple[Any, Any, str]:
+    """(GPU table entry, --gpu-memory in bytes, how the GPU was found) for a run whose files give ``evidence``
+    (calibrate/gpu_evidence.py, as ``memguard calibrate`` reads it): --gpu when given (a ReaderError naming the
+    file when the files contradict it), else the one entry the files name, else the default (H100-80GB) when the
+    files name nothing or fit it among others; --gpu-memory alone keeps its figure."""
+    from ..calibrate.gpu_evidence import FALLBACK, infer_gpu
+    from ..errors import ReaderError
+    from ..gpus import GPUS
+
+    gpu, mem = target_gpu(ns)
+    if ns.gpu is not None:
+        infer_gpu(where, evidence, gpu)         # (raises on a contradiction)
+        return gpu, mem, ""
+    if ns.gpu_memory is not None or not evidence:
+        return gpu, mem, ""
+    found = infer_gpu(where, evidence, None)
+    if found.gpu is not None:
+        return found.gpu, mem, found.note
+    if FALLBACK in found.fits:
+        return GPUS[FALLBACK], mem, f"{found.said} fits {' or '.join(sorted(found.fits))}; {FALLBACK} assumed"
+    raise ReaderError(f"{where}: {found.said} fits {' or '.join(sorted(found.fits))}, not one GPU; give --gpu")
+
+
 def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> tuple[Any, Any, bool, Any]:
     """(raw config, estimate at DP rank 0, tp-pp-dp rank order, the estimate at an (optimizer rank, expert
     optimizer rank) position) for a Megatron log: the configuration from --config / --model / flags, else from
@@ -114,7 +138,11 @@ def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> t
     log.notes.append(why)
     layout = resolve(raw, world_size=resolve_world(ns) or raw.world_size, megatron_version=version,
                      vocab_size=ns.vocab_size)
-    gpu, mem = target_gpu(ns)
+    from ..calibrate.runs import megatron_evidence
+    gpu, mem, found = (run_gpu(ns, megatron_evidence(log), ", ".join(ns.logdir)) if ns.device == "gpu"
+                       else (*target_gpu(ns), ""))
+    if found:
+        log.notes.append(found)
     site = target_site(ns)
     est = estimate(layout, device=ns.device, gpu=gpu, gpu_memory=mem, threshold=ns.threshold, dp_rank=0, site=site)
 
@@ -151,6 +179,7 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         _no_prediction_options(ns)
         from ..report.runlog import read_run
         log = read_run(ns.logdir, run=ns.run, skip_bad_lines=ns.skip_bad_lines, warn=warn)
+        log.notes.extend(_jsonl_gpu(ns, log))
     else:
         from ..report.megatron_log import read_megatron_logs
         from ..report.megatron_run import megatron_runlog, rank_position
@@ -173,8 +202,10 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         if not mlog.memory:      # only an out-of-memory error: the forensics are the report
             return _oom_only(ns, mlog, forensics)
         log = megatron_runlog(mlog, est, tp_pp_dp, at=at)
+        named = any(n.startswith("GPU ") for n in mlog.notes)     # (run_gpu's note: the files named it)
         where = "a CPU run" if ns.device == "cpu" else (
-            f"{est.gpu or 'GPU'}" + ("" if ns.gpu or ns.gpu_memory else " (the default; --gpu names the run's GPU)"))
+            f"{est.gpu or 'GPU'}" + ("" if ns.gpu or ns.gpu_memory or named
+                                     else " (the default; --gpu names the run's GPU)"))
         log.notes.append(f"prediction from {raw.source}; {where}")
     if ns.json:
         doc = to_json(log)
@@ -197,19 +228,55 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
 
 # the options that shape a Megatron log's prediction (add_target_options, --env): None / [] when not given
 _PREDICTION_OPTIONS = (("config", "--config"), ("model", "--model"), ("set", "--set"), ("site_profile", "--site-profile"),
-                       ("gpu", "--gpu"), ("gpu_memory", "--gpu-memory"), ("world_size", "--world-size"), ("gpus", "--gpus"),
+                       ("gpu_memory", "--gpu-memory"), ("world_size", "--world-size"), ("gpus", "--gpus"),
                        ("nnodes", "--nnodes"), ("nproc_per_node", "--nproc-per-node"), ("vocab_size", "--vocab-size"),
                        ("megatron_version", "--megatron-version"), ("env", "--env"))
 
 
-def _no_prediction_options(ns: argparse.Namespace) -> None:
+def _no_prediction_options(ns: argparse.Namespace, options: tuple = _PREDICTION_OPTIONS) -> None:
     """memguard's JSONL files carry the predictions the hook made at run time: an option that would change a Megatron
-    log's prediction (a site profile, the GPU, the model) would be ignored without a word, so it is an error."""
-    for dest, flag in _PREDICTION_OPTIONS:
+    log's prediction (a site profile, the GPU, the model) would be ignored without a word, so it is an error. (--gpu
+    is checked against the device the files record, ``_jsonl_gpu``; with none recorded it is refused the same way.)"""
+    for dest, flag in options:
         if getattr(ns, dest, None) not in (None, []):
             raise ConfigError(flag, "applies to Megatron logs (the prediction memguard report makes); memguard's JSONL "
                                     "files carry the predictions made at run time, which it does not change",
                               f"leave {flag} out; at run time the hook takes --memguard-* flags and MEMGUARD_* variables")
+
+
+def _jsonl_gpu(ns: argparse.Namespace, log: Any) -> list[str]:
+    """Notes on the GPU of a run read from memguard's JSONL, whose predictions were made on the device the hook
+    saw: the measured device of its start records (``gpu_device``) against --gpu (an error naming the file when
+    they disagree) and against the GPU the recorded predictions assumed (a note when they differ)."""
+    from ..calibrate.gpu_evidence import infer_gpu
+    from ..calibrate.runs import jsonl_evidence
+
+    from ..errors import MemguardError
+    from ..gpus import lookup_gpu
+
+    evidence = jsonl_evidence(log, log.location, decision=False)
+    if ns.gpu is not None and not evidence:
+        _no_prediction_options(ns, (("gpu", "--gpu"),))       # (no recorded device to check it against)
+    if ns.gpu is not None:
+        infer_gpu(log.location, evidence, lookup_gpu(ns.gpu))      # (raises on a contradiction)
+        return []
+    if not evidence:
+        return []
+    found = infer_gpu(log.location, evidence, None)
+    fits = frozenset([found.gpu.name]) if found.gpu is not None else found.fits
+    out = [found.note] if found.note else []
+    decided = set()
+    for r in log.ranks:
+        d = ((((r.start or {}).get("context") or {}).get("decision")) or {}).get("gpu")
+        try:
+            decided.add(lookup_gpu(d).name)
+        except (MemguardError, TypeError, ValueError, AttributeError):   # (none recorded, or outside the table)
+            continue
+    for d in sorted(decided):
+        if d not in fits:
+            out.append(f"the recorded predictions assumed {d}, but the run's device is {' or '.join(sorted(fits))} "
+                       f"({evidence[0].text}): its capacity and terms are those of {d}")
+    return out
 
 
 def _oom_only(ns: argparse.Namespace, mlog: Any, forensics: list[Any]) -> int:
