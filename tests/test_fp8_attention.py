@@ -719,3 +719,18 @@ def test_mxfp8_shape_rules():
             version="0.19.2")
     with pytest.raises(ConfigError, match="fp8.dot.product.attention.*head dim divisible by 32.*kv_channels 80"):
         lay(*MX, "--kv-channels", "80", fp8_dot_product_attention=True, version="0.19.2")
+
+
+def test_mxfp8_softmax_and_sliding_window():
+    # TE 2.20.2 get_attention_backend keeps FP8 FusedAttention for a non-vanilla softmax and a sliding window on
+    # SM >= 10.0 with cuDNN >= 9.21 (utils.py "Filter: softmax type" / "sliding window"), where MXFP8 attention
+    # runs anyway (GPT-OSS's sinks and 128-token window in Bridge 0.6.2's fp8mx perf recipes): sized, with a note;
+    # the delayed recipe's TE 2.11 errors stay (test_refused_and_rejected_corners)
+    L = lay(*MX, "--softmax-type", "learnable", "--window-size", "128,0", fp8_dot_product_attention=True,
+            version="0.19.2")
+    assert L.fp8_spec.fp8_dot_product_attention
+    assert any("--softmax-type learnable and a sliding --window-size" in n for n in L.notes)
+    got = layer_activations(L).saved
+    # the window and the sinks change no tensor the MXFP8 attention keeps: q, k, v as by hand above
+    assert got["fp8_attention_qkv"] == 2 * TF * QKV_W + 2 * TF * QKV_W // 32
+    assert "query_rope" not in got and got["softmax_stats"] == A_T * 8192 * 4

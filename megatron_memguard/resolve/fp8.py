@@ -169,12 +169,21 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
     # get_attention_backend (TE 2.11): FP8 attention turns FusedAttention off for a non-vanilla softmax and for a
     # sliding window (left != -1 or right not in (-1, 0)); FlashAttention and the unfused backend do not run FP8
     softmax = str(a.get("softmax_type") or "vanilla")
-    if softmax != "vanilla":
+    window = [int(w) for w in re.findall(r"-?\d+", str(a.get("window_size") or ""))]
+    sliding = len(window) == 2 and (window[0] != -1 or window[1] not in (-1, 0))
+    if recipe == "mxfp8" and (softmax != "vanilla" or sliding):
+        # TE 2.20.2 get_attention_backend (utils.py 1222-1232, 1440-1450) keeps FusedAttention for FP8 with a
+        # non-vanilla softmax or a sliding window on SM >= 10.0 with cuDNN >= 9.21, where MXFP8 attention runs anyway
+        what = " and ".join(w for w, on in ((f"--softmax-type {softmax}", softmax != "vanilla"),
+                                            ("a sliding --window-size", sliding)) if on)
+        a.notes.append(f"{key}: MXFP8 attention with {what} is estimated as Transformer Engine 2.20.2's FP8 "
+                       "FusedAttention (allowed on Blackwell with cuDNN 9.21 or later); if cuDNN has no MXFP8 kernel "
+                       "for it Transformer Engine stops with 'no dot product attention backend'")
+    elif softmax != "vanilla":
         a.fail(dest, f"cannot be used with --softmax-type {softmax} (Transformer Engine 2.11 has no FP8 attention "
                      "backend for a non-vanilla softmax)")
         return False
-    window = [int(w) for w in re.findall(r"-?\d+", str(a.get("window_size") or ""))]
-    if len(window) == 2 and (window[0] != -1 or window[1] not in (-1, 0)):
+    elif sliding:
         a.fail(dest, f"cannot be used with --window-size {window[0]},{window[1]} (Transformer Engine 2.11 has no FP8 "
                      "attention backend for sliding-window attention)")
         return False
