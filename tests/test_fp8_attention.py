@@ -734,3 +734,21 @@ def test_mxfp8_softmax_and_sliding_window():
     # the window and the sinks change no tensor the MXFP8 attention keeps: q, k, v as by hand above
     assert got["fp8_attention_qkv"] == 2 * TF * QKV_W + 2 * TF * QKV_W // 32
     assert "query_rope" not in got and got["softmax_stats"] == A_T * 8192 * 4
+
+
+def test_bridge_config_mxfp8(tmp_path):
+    # a Bridge run_config under the mxfp8 recipe with fp8_dot_product_attention (Bridge 0.6.2's Blackwell perf
+    # recipes: Qwen3-MoE, Nemotron-H), read for megatron-core 0.19.2: the MXFP8 attention is sized (2 B/elem of
+    # q, k, v + E8M0 scales), not refused
+    text = FLAT.replace("  bf16: true\ntrain", "  bf16: true\n  fp8: e4m3\n  fp8_recipe: mxfp8\n"
+                        "  fp8_dot_product_attention: true\ntrain").replace("mixed_precision: bf16_mixed\n", "")
+    p = tmp_path / "run_config.yaml"
+    p.write_text(textwrap.dedent(text))
+    L = resolve(read_config_file(str(p)), world_size=8, megatron_version="0.19.2")
+    assert L.fp8_spec.fp8_dot_product_attention and L.fp8_spec.recipe == "mxfp8"
+    from megatron_memguard.estimator.layers.base import shapes
+    from megatron_memguard.estimator.layers.fp8_attention import mxfp8_attention_tensors
+    x = shapes(L)
+    qkv = ((x.a_t, x.d), (x.g_t, x.d), (x.g_t, x.d))
+    assert layer_activations(L).saved["fp8_attention_qkv"] == mxfp8_attention_tensors(x.Tf, qkv) > 2 * x.Tf * (
+        x.a_t + 2 * x.g_t) * x.d
