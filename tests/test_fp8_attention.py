@@ -684,10 +684,13 @@ def test_mxfp8_working_sets_by_hand():
     f = fp8_attention(L, m)
     bf16_qkv = 2 * TF * (QKV_W + CTX + G_T * D)          # qkv output, rope'd q and k: alive during the forward
     qkv8 = 2 * TF * QKV_W + 2 * TF * QKV_W // 32
+    # get_qkv_layout (TE 2.20.2 utils.py): the rope'd q and k are new tensors, v a strided view of the qkv output:
+    # no packed layout matches, so v is made contiguous (a BF16 copy [Tf, g d / TP])
+    v_copy = 2 * TF * G_T * D
     # quantization: the BF16 q, k, v and their MXFP8 copies (no concatenation, unlike the per-tensor recipes)
-    assert f.fwd_steps[0][1] == bf16_qkv + qkv8
+    assert f.fwd_steps[0][1] == bf16_qkv + v_copy + qkv8
     # the kernel's BF16 output
-    assert f.fwd_steps[1][1] == bf16_qkv + 2 * TF * CTX
+    assert f.fwd_steps[1][1] == bf16_qkv + v_copy + 2 * TF * CTX
     # backward at the core attention: dO in MXFP8 rowwise + columnwise with its scales; dq, dk, dv are BF16
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, 2 * TF * CTX + 2 * TF * CTX // 32, 0, 0]
     assert "fp8_attention_qkv" in f.bwd_steps[2][0] and "fp8_attention_qkv" not in f.bwd_steps[1][0]

@@ -227,8 +227,8 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
                      f"q, k, v in blocks of 128 tokens), got {seq}")
         return False
     if mla:
-        dims = {"qk_head_dim + qk_pos_emb_head_dim": a.int_arg("qk_head_dim", 128) + a.int_arg("qk_pos_emb_head_dim", 64),
-                "v_head_dim": a.int_arg("v_head_dim", 128)}
+        qk = a.int_arg("qk_head_dim", 128) + a.int_arg("qk_pos_emb_head_dim", 64)
+        dims = {"qk_head_dim + qk_pos_emb_head_dim": qk, "v_head_dim": a.int_arg("v_head_dim", 128)}
     else:
         dims = {"kv_channels": kw.get("kv_channels")}
     for name, dim in dims.items():

@@ -1,6 +1,7 @@
 """FP8 core attention (``fp8_dot_product_attention``): what Transformer Engine 2.11's FusedAttention keeps
-and holds when an FP8 layer runs its dot-product attention in FP8 (the delayed and tensorwise recipes,
-the only ones TE's DotProductAttention accepts; resolve/fp8.py refuses or drops the others).
+and holds when an FP8 layer runs its dot-product attention in FP8 (the delayed and tensorwise recipes, the only
+ones TE 2.11's DotProductAttention accepts; the mxfp8 recipe as TE 2.20.2 runs it: ``mxfp8_attention``, at the
+end; resolve/fp8.py refuses or drops the others).
 
 Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`` (forward and backward),
 ``utils.py`` ``combine_and_quantize``, ``csrc/extensions/attention.cpp`` ``fused_attn_fwd`` (aux tensors):
@@ -398,9 +399,10 @@ def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mi
     resolve/fp8.py refuses that path). ``DotProductAttention`` keeps the MXFP8 recipe for the attention
     (``NVTE_DPA_FP8_RECIPE`` unset) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
 
-    * forward: q, k, v are quantized one by one (no concatenation: ``combine_and_quantize``'s MXFP8 fast path for
-      sbhd_sbhd_sbhd), each rowwise and columnwise (``mxfp8_attention_tensors``); the output stays BF16
-      (``FusedAttnSpec``: O in model precision) and is the tensor returned, saved once (``saved_from``);
+    * forward: q, k, v are made contiguous where they are views (``get_qkv_layout``) and quantized one by one (no
+      concatenation: ``combine_and_quantize``'s MXFP8 fast path for sbhd_sbhd_sbhd), each rowwise and columnwise
+      (``mxfp8_attention_tensors``); the output stays BF16 (``FusedAttnSpec``: O in model precision) and is the
+      tensor returned, saved once (``saved_from``);
     * saved: the MXFP8 q, k, v (``fp8_tensors = (q_fp8, k_fp8, v_fp8, None)``) instead of the BF16 ones, the
       BF16 output (``proj_input``, unchanged) and one fp32 softmax statistic ``[b, a, s, 1]`` (backends.py
       ``softmax_stats, rng_state, *aux = aux_ctx_tensors``: the BF16 attention's, unchanged);
@@ -439,7 +441,13 @@ def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mi
         if name == "softmax_stats":
             new["fp8_attention_qkv"] = qkv8
         new[name] = b
-    bf16_inputs = sum(dropped.values())
+    # get_qkv_layout (TE 2.20.2 utils.py run_iteratively): v, a strided view of the qkv output, matches no packed
+    # layout next to a separate q and k, so q, k, v are made contiguous (sbhd_sbhd_sbhd, which the MXFP8 fast path
+    # needs): a copy of v, and of q and k where neither rope nor the q/k norms made new ones (MLA's are contiguous)
+    copies = 0 if mla else Tf * x.g_t * d * e
+    if not mla and not any(n in saved for n in ("query_rope", "query_norm")):
+        copies += Tf * (x.a_t + x.g_t) * d * e
+    bf16_inputs = sum(dropped.values()) + copies
     (names, _), *rest = mixer.fwd_steps
     ctx_w = sum(h * dim for h, dim in out)
     fwd = (
