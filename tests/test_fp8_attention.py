@@ -755,3 +755,20 @@ def test_bridge_config_mxfp8(tmp_path):
     qkv = ((x.a_t, x.d), (x.g_t, x.d), (x.g_t, x.d))
     assert layer_activations(L).saved["fp8_attention_qkv"] == mxfp8_attention_tensors(x.Tf, qkv) > 2 * x.Tf * (
         x.a_t + 2 * x.g_t) * x.d
+
+
+def test_mxfp8_multi_latent_attention_by_hand():
+    # MLASelfAttention hands TE contiguous query, key [s b, a/t, 64 + 32] and value [s b, a/t, 64] (no copies);
+    # under mxfp8 (TE 2.20.2) each is kept rowwise and columnwise: q/k dim 96 -> 3 row scales padded to 4 and 96
+    # column scales padded to 128 per 32 tokens; v dim 64 -> 2 row scales padded to 4, 64 padded to 128
+    raw = parse_megatron_flags(MLA + ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"])
+    raw.args.update(fp8_dot_product_attention=True)
+    L = resolve(raw, world_size=2, megatron_version="0.19.2")
+    tf, a_t = 4096, 8
+    got = layer_activations(L).saved
+    assert not {"query", "key", "value"} & set(got)
+    data = 2 * tf * a_t * (96 + 96 + 64)
+    row = tf * a_t * (4 + 4 + 4)
+    col = tf // 32 * a_t * (128 + 128 + 128)
+    assert got["fp8_attention_qkv"] == data + row + col
+    assert got["softmax_stats"] == a_t * tf * 4 and got["proj_input"] == 2 * tf * a_t * 64
