@@ -152,12 +152,15 @@ def test_which_recipes_carry_it():
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "blockwise", fp8_dot_product_attention=True)
     assert not L.fp8_spec.fp8_dot_product_attention
     # mxfp8: 0.16.1 drops it; 0.19.2 passes it (fp8_utils.get_fp8_recipe) to TE 2.20.2, which runs MXFP8 attention
-    # in cuDNN >= 9.21 on Blackwell (attention/dot_product_attention/utils.py get_attention_backend): refused by name,
-    # not sized
+    # in cuDNN >= 9.21 on Blackwell (attention/dot_product_attention/utils.py get_attention_backend): sized without
+    # context parallelism (test_mxfp8_*), refused by name with it
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.16.1")
     assert not L.fp8_spec.fp8_dot_product_attention
-    with pytest.raises(NotModelledError, match="fp8.dot.product.attention.*mxfp8 recipe"):
-        lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.19.2")
+    L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.19.2")
+    assert L.fp8_spec.fp8_dot_product_attention and any("MXFP8 attention" in n and "cuDNN 9.21" in n for n in L.notes)
+    with pytest.raises(NotModelledError, match="fp8.dot.product.attention.*mxfp8 recipe with context parallelism"):
+        lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2",
+            fp8_dot_product_attention=True, version="0.19.2")
     # nvfp4 (fp4_utils.get_fp4_recipe passes fp8_dpa, 0.19.2): TE 2.20.2 disables FusedAttention for
     # NVFP4BlockScaling and runs FP8 attention nowhere else
     with pytest.raises(ConfigError, match="fp8.dot.product.attention.*nvfp4 recipe.*no attention backend"):
@@ -630,3 +633,142 @@ def test_two_level_a2a_p2p_te_2_20_by_hand(recipe):
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ring_bwd - bf16_ring, 0, 0]
     if recipe == "tensorwise":
         assert "cp_a2a_attention_output" in f.bwd_steps[2][0]       # released with the attention's saved tensors
+
+
+# --- the mxfp8 recipe (megatron-core 0.19.2 with TE 2.20.2) ---
+# TE 2.20.2 attention/dot_product_attention/backends.py FusedAttnFunc.forward: fp8_tensors = (q_fp8, k_fp8, v_fp8,
+# None), f16_tensors = (None, None, None, out_f16) for qkv_type "mxfp8"; utils.py get_attention_quantizers turns
+# columnwise usage on for the MXFP8 QKV and dO quantizers; combine_and_quantize (used_in_forward and
+# used_in_backward) keeps both usages; mxfp8_transpose_swizzle re-lays the E8M0 scales into one rowwise buffer
+# [b, h, s, align4(d/32)] and one columnwise buffer [b, h, s/32, align128(d)] for q, k, v together.
+MX = ("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8")
+
+
+def test_mxfp8_attention_tensors_by_hand():
+    from megatron_memguard.estimator.layers.fp8_attention import mxfp8_attention_tensors
+    # Llama-3.1-8B per TP-2 rank, 8192 tokens: q 16 heads, k and v 4 heads, d 128: rowwise and columnwise data
+    # (2 B/elem), 128/32 = 4 scales per row (no padding), 8192/32 = 256 column-scale rows of 128
+    assert mxfp8_attention_tensors(TF, ((16, 128), (4, 128), (4, 128))) == (
+        2 * TF * 3072 + TF * 24 * 4 + TF // 32 * 24 * 128) == 51_904_512
+    # MLA's q/k head dim 192: 6 row scales padded to 8, 192 columns padded to 256; v 128
+    assert mxfp8_attention_tensors(256, ((2, 192), (2, 192), (2, 128))) == (
+        2 * 256 * 2 * (192 + 192 + 128) + 256 * 2 * (8 + 8 + 4) + 8 * 2 * (256 + 256 + 128))
+    # one 32 x 32 block: 1 KiB of data each way; 1 row scale per token padded to 4 (128 B), 1 x 128 column
+    # scales (128 B): the two scale buffers round up to a 512-byte allocator block each
+    assert mxfp8_attention_tensors(32, ((1, 32),)) == 2 * 1024 + 512 + 512
+
+
+def test_mxfp8_saved_tensors_by_hand():
+    bf16_att = layer_activations(lay(*MX, version="0.19.2")).saved
+    got = layer_activations(lay(*MX, fp8_dot_product_attention=True, version="0.19.2")).saved
+    # the BF16 q, k, v the attention kept are gone (qkv output, rope'd q and k)
+    for name in ("qkv_output", "query_rope", "key_rope"):
+        assert name in bf16_att and name not in got
+    # MXFP8 q, k, v, rowwise + columnwise, with their scales (1/32 of the data each way, d = 128)
+    assert got["fp8_attention_qkv"] == 2 * TF * QKV_W + 2 * TF * QKV_W // 32
+    # one fp32 statistic [b, a, s, 1], as in BF16 (backends.py: softmax_stats, rng_state, *aux = aux_ctx_tensors)
+    assert got["softmax_stats"] == bf16_att["softmax_stats"] == A_T * 8192 * 4
+    # the output stays BF16 (FusedAttnSpec o = model precision) and is saved once, as proj_input
+    assert got["proj_input"] == bf16_att["proj_input"] == 2 * TF * CTX
+    for name in ("qkv_input", "fc1_input", "fc2_input"):
+        assert got.get(name) == bf16_att.get(name)
+    saved_bf16 = 2 * TF * (QKV_W + CTX + G_T * D)
+    assert sum(got.values()) - sum(bf16_att.values()) == got["fp8_attention_qkv"] - saved_bf16
+
+
+def test_mxfp8_working_sets_by_hand():
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay(*MX, fp8_dot_product_attention=True, version="0.19.2")
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    bf16_qkv = 2 * TF * (QKV_W + CTX + G_T * D)          # qkv output, rope'd q and k: alive during the forward
+    qkv8 = 2 * TF * QKV_W + 2 * TF * QKV_W // 32
+    # get_qkv_layout (TE 2.20.2 utils.py): the rope'd q and k are new tensors, v a strided view of the qkv output:
+    # no packed layout matches, so v is made contiguous (a BF16 copy [Tf, g d / TP])
+    v_copy = 2 * TF * G_T * D
+    # quantization: the BF16 q, k, v and their MXFP8 copies (no concatenation, unlike the per-tensor recipes)
+    assert f.fwd_steps[0][1] == bf16_qkv + v_copy + qkv8
+    # the kernel's BF16 output
+    assert f.fwd_steps[1][1] == bf16_qkv + v_copy + 2 * TF * CTX
+    # backward at the core attention: dO in MXFP8 rowwise + columnwise with its scales; dq, dk, dv are BF16
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, 2 * TF * CTX + 2 * TF * CTX // 32, 0, 0]
+    assert "fp8_attention_qkv" in f.bwd_steps[2][0] and "fp8_attention_qkv" not in f.bwd_steps[1][0]
+    # core_attn recompute: saved tensors unchanged, the replay's MXFP8 q, k, v and dO at the core step
+    R = lay(*MX, "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+            fp8_dot_product_attention=True, version="0.19.2")
+    m = attention(R, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(R, m)
+    assert f.saved == m.saved and f.fwd_steps == m.fwd_steps
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, qkv8 + 2 * TF * CTX + 2 * TF * CTX // 32,
+                                                                         0, 0]
+
+
+def test_mxfp8_estimate_moves_by_the_layers_saved_bytes():
+    gpu = lookup_gpu("B200")
+    off, on = lay(*MX, version="0.19.2"), lay(*MX, fp8_dot_product_attention=True, version="0.19.2")
+    per_layer = layer_activations(off).total - layer_activations(on).total
+    t_off = {t.name: t.bytes for t in estimate(off, gpu=gpu).stages[0].terms}
+    t_on = {t.name: t.bytes for t in estimate(on, gpu=gpu).stages[0].terms}
+    # 16 layers on pp0, 2 micro-batches in flight on the first of 2 stages (1F1B warm-up)
+    assert per_layer > 0 and t_off["layer_activations"] - t_on["layer_activations"] == 16 * 2 * per_layer
+    assert t_on["parameters"] == t_off["parameters"]
+
+
+def test_mxfp8_shape_rules():
+    # combine_and_quantize (TE 2.20.2 utils.py): "MXFP8 quantization requires s_q % 128 == 0, ... d_qk % 32 == 0"
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*seq-length divisible by 128.*got 8000"):
+        lay(*MX, "--seq-length", "8000", "--max-position-embeddings", "8192", fp8_dot_product_attention=True,
+            version="0.19.2")
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*head dim divisible by 32.*kv_channels 80"):
+        lay(*MX, "--kv-channels", "80", fp8_dot_product_attention=True, version="0.19.2")
+
+
+def test_mxfp8_softmax_and_sliding_window():
+    # TE 2.20.2 get_attention_backend keeps FP8 FusedAttention for a non-vanilla softmax and a sliding window on
+    # SM >= 10.0 with cuDNN >= 9.21 (utils.py "Filter: softmax type" / "sliding window"), where MXFP8 attention
+    # runs anyway (GPT-OSS's sinks and 128-token window in Bridge 0.6.2's fp8mx perf recipes): sized, with a note;
+    # the delayed recipe's TE 2.11 errors stay (test_refused_and_rejected_corners)
+    L = lay(*MX, "--softmax-type", "learnable", "--window-size", "128,0", fp8_dot_product_attention=True,
+            version="0.19.2")
+    assert L.fp8_spec.fp8_dot_product_attention
+    assert any("--softmax-type learnable and a sliding --window-size" in n for n in L.notes)
+    got = layer_activations(L).saved
+    # the window and the sinks change no tensor the MXFP8 attention keeps: q, k, v as by hand above
+    assert got["fp8_attention_qkv"] == 2 * TF * QKV_W + 2 * TF * QKV_W // 32
+    assert "query_rope" not in got and got["softmax_stats"] == A_T * 8192 * 4
+
+
+def test_bridge_config_mxfp8(tmp_path):
+    # a Bridge run_config under the mxfp8 recipe with fp8_dot_product_attention (Bridge 0.6.2's Blackwell perf
+    # recipes: Qwen3-MoE, Nemotron-H), read for megatron-core 0.19.2: the MXFP8 attention is sized (2 B/elem of
+    # q, k, v + E8M0 scales), not refused
+    text = FLAT.replace("  bf16: true\ntrain", "  bf16: true\n  fp8: e4m3\n  fp8_recipe: mxfp8\n"
+                        "  fp8_dot_product_attention: true\ntrain").replace("mixed_precision: bf16_mixed\n", "")
+    p = tmp_path / "run_config.yaml"
+    p.write_text(textwrap.dedent(text))
+    L = resolve(read_config_file(str(p)), world_size=8, megatron_version="0.19.2")
+    assert L.fp8_spec.fp8_dot_product_attention and L.fp8_spec.recipe == "mxfp8"
+    from megatron_memguard.estimator.layers.base import shapes
+    from megatron_memguard.estimator.layers.fp8_attention import mxfp8_attention_tensors
+    x = shapes(L)
+    qkv = ((x.a_t, x.d), (x.g_t, x.d), (x.g_t, x.d))
+    assert layer_activations(L).saved["fp8_attention_qkv"] == mxfp8_attention_tensors(x.Tf, qkv) > 2 * x.Tf * (
+        x.a_t + 2 * x.g_t) * x.d
+
+
+def test_mxfp8_multi_latent_attention_by_hand():
+    # MLASelfAttention hands TE contiguous query, key [s b, a/t, 64 + 32] and value [s b, a/t, 64] (no copies);
+    # under mxfp8 (TE 2.20.2) each is kept rowwise and columnwise: q/k dim 96 -> 3 row scales padded to 4 and 96
+    # column scales padded to 128 per 32 tokens; v dim 64 -> 2 row scales padded to 4, 64 padded to 128
+    raw = parse_megatron_flags(MLA + ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"])
+    raw.args.update(fp8_dot_product_attention=True)
+    L = resolve(raw, world_size=2, megatron_version="0.19.2")
+    tf, a_t = 4096, 8
+    got = layer_activations(L).saved
+    assert not {"query", "key", "value"} & set(got)
+    data = 2 * tf * a_t * (96 + 96 + 64)
+    row = tf * a_t * (4 + 4 + 4)
+    col = tf // 32 * a_t * (128 + 128 + 128)
+    assert got["fp8_attention_qkv"] == data + row + col
+    assert got["softmax_stats"] == a_t * tf * 4 and got["proj_input"] == 2 * tf * a_t * 64

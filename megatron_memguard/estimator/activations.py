@@ -106,11 +106,11 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     mixer = mixer_recipe(kind).activations(L, mods, has_batch_mask, drop_norm, after, rel_norm2, G)
     fp8_done = False
-    if kind.quantized in ("delayed", "tensorwise") and L.fp8_spec.fp8_dot_product_attention:
+    if kind.quantized in ("delayed", "tensorwise", "mxfp8") and L.fp8_spec.fp8_dot_product_attention:
         from ..partition import MIXER_ATTENTION, MIXER_MLA
         if kind.mixer in (MIXER_ATTENTION, MIXER_MLA) and attention_kind(L) == "fused":
-            # the core attention in FP8 (TE FusedAttention, or its p2p ring under CP; resolve/fp8.py refuses the
-            # other CP communication types, and MLA under CP)
+            # the core attention in FP8 (TE FusedAttention, MXFP8 under TE 2.20.2, or its p2p ring under CP;
+            # resolve/fp8.py refuses the other CP communication types, MLA under CP and MXFP8 under CP)
             from .layers.fp8_attention import fp8_attention
             mixer = fp8_attention(L, mixer, mla=kind.mixer == MIXER_MLA)
             fp8_done = True

@@ -66,7 +66,7 @@ class Precision:
     disable_parameter_transpose_cache: bool = False   # TransformerConfig only
     activation_func_fp8_input_store: bool = False     # TransformerConfig only
     fp8_output_proj: bool = False                     # --fp8-output-proj (core 0.19): the LM head in MXFP8
-    fp8_dot_product_attention: bool = False           # TransformerConfig only: FP8 fused attention (delayed/tensorwise)
+    fp8_dot_product_attention: bool = False           # TransformerConfig only: FP8 fused attention (delayed/tensorwise/mxfp8)
     # set by estimate() from the GPU it is given, never read from a config: the GPU's name as data for what the layers
     # keep that depends on it (estimator/fp8_layers.py: Blackwell's one Float8 copy for both usages, the experts'
     # GroupedLinear path under the op fuser)

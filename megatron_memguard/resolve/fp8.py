@@ -105,8 +105,9 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
 
 
 # Where FP8 attention is sized (estimator/layers/fp8_attention.py): TE 2.11's FusedAttention (cuDNN) with the
-# per-tensor recipes; everything else it touches is refused by name below
-_DPA_RECIPES = ("delayed", "tensorwise")
+# per-tensor recipes, TE 2.20.2's with mxfp8 (megatron-core >= 0.17, no context parallelism); everything else it
+# touches is refused by name below
+_DPA_RECIPES = ("delayed", "tensorwise", "mxfp8")
 
 
 def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict[str, Any]) -> bool:
@@ -138,15 +139,6 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         a.notes.append(f"{key}: no effect with the {recipe} recipe (megatron-core {ctx.version} builds that recipe without "
                        "fp8_dpa): attention is estimated in BF16")
         return False
-    if recipe == "mxfp8":
-        # megatron-core >= 0.17 is paired with TE 2.20.2, whose DotProductAttention keeps the MXFP8 recipe for the
-        # attention (dot_product_attention.py init_fp8_metadata, NVTE_DPA_FP8_RECIPE unset) and whose
-        # get_attention_backend (utils.py 774-791) runs it in cuDNN on SM 10.x with cuDNN >= 9.21 (not 9.23.0 / 9.23.1),
-        # without fp8_mha; elsewhere no backend runs it. Its tensors (MXFP8 q, k, v with E8M0 scales, BF16 copies the
-        # CP ring saves: context_parallel.py 2327-2328) are not sized
-        raise NotModelledError(key, "FP8 attention under the mxfp8 recipe (Transformer Engine 2.20.2, megatron-core "
-                                    ">= 0.17, runs MXFP8 attention in cuDNN >= 9.21 on Blackwell; its tensors are not "
-                                    "sized): estimate with --fp8-recipe tensorwise, or without FP8 attention")
     if recipe == "nvfp4":
         # TE 2.20.2 get_attention_backend (utils.py 792-794): "Disabling FusedAttention for NVFP4BlockScaling"; with
         # fp8_dpa FlashAttention and the unfused backend are off too (718-744): no backend
@@ -177,16 +169,27 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
     # get_attention_backend (TE 2.11): FP8 attention turns FusedAttention off for a non-vanilla softmax and for a
     # sliding window (left != -1 or right not in (-1, 0)); FlashAttention and the unfused backend do not run FP8
     softmax = str(a.get("softmax_type") or "vanilla")
-    if softmax != "vanilla":
+    window = [int(w) for w in re.findall(r"-?\d+", str(a.get("window_size") or ""))]
+    sliding = len(window) == 2 and (window[0] != -1 or window[1] not in (-1, 0))
+    if recipe == "mxfp8" and (softmax != "vanilla" or sliding):
+        # TE 2.20.2 get_attention_backend (utils.py 1222-1232, 1440-1450) keeps FusedAttention for FP8 with a
+        # non-vanilla softmax or a sliding window on SM >= 10.0 with cuDNN >= 9.21, where MXFP8 attention runs anyway
+        what = " and ".join(w for w, on in ((f"--softmax-type {softmax}", softmax != "vanilla"),
+                                            ("a sliding --window-size", sliding)) if on)
+        a.notes.append(f"{key}: MXFP8 attention with {what} is estimated as Transformer Engine 2.20.2's FP8 "
+                       "FusedAttention (allowed on Blackwell with cuDNN 9.21 or later); if cuDNN has no MXFP8 kernel "
+                       "for it Transformer Engine stops with 'no dot product attention backend'")
+    elif softmax != "vanilla":
         a.fail(dest, f"cannot be used with --softmax-type {softmax} (Transformer Engine 2.11 has no FP8 attention "
                      "backend for a non-vanilla softmax)")
         return False
-    window = [int(w) for w in re.findall(r"-?\d+", str(a.get("window_size") or ""))]
-    if len(window) == 2 and (window[0] != -1 or window[1] not in (-1, 0)):
+    elif sliding:
         a.fail(dest, f"cannot be used with --window-size {window[0]},{window[1]} (Transformer Engine 2.11 has no FP8 "
                      "attention backend for sliding-window attention)")
         return False
     mla = a.bool_arg("multi_latent_attention", False)
+    if recipe == "mxfp8" and not _mxfp8_attention(a, dest, kw, mla):
+        return False
     if kw.get("context_parallel_size", 1) > 1:
         if not _ring_attention(a, dest, kw, mla, ctx):
             return False
@@ -201,6 +204,41 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         a.notes.append(f"{key}: FP8 attention with the tensorwise recipe runs only on Blackwell (sm100) with cuDNN "
                        "9.14 or later (Transformer Engine 2.11); it keeps the attention output in BF16 "
                        "(NVTE_DPA_FP8CS_O_in_F16, default 1)")
+    return True
+
+
+def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bool:
+    """FP8 attention under the mxfp8 recipe (megatron-core >= 0.17, paired with TE 2.20.2): whether it is sized
+    (estimator/layers/fp8_attention.py ``mxfp8_attention``). TE 2.20.2 keeps the MXFP8 recipe for the attention
+    (dot_product_attention.py ``init_fp8_metadata``, ``NVTE_DPA_FP8_RECIPE`` unset) and runs it in cuDNN only on
+    SM 10.x with cuDNN >= 9.21 (not 9.23.0 / 9.23.1), not for THD (``get_attention_backend``, utils.py 774-791)."""
+    key = a.key(dest)
+    if kw.get("context_parallel_size", 1) > 1:
+        # context_parallel.py has its own MXFP8 path (BF16 q, k, v kept next to per-step MXFP8 copies, dO quantized
+        # per step): not sized
+        raise NotModelledError(key, "FP8 attention under the mxfp8 recipe with context parallelism (Transformer "
+                                    "Engine 2.20.2's MXFP8 ring / all-to-all attention is not sized): estimate "
+                                    "with --fp8-recipe tensorwise, or without FP8 attention")
+    # combine_and_quantize (utils.py): "MXFP8 quantization requires s_q % 128 == 0, s_kv % 128 == 0, d_qk % 32 == 0,
+    # d_v % 32 == 0" (an assertion at the first step)
+    seq = kw.get("seq_length")
+    if isinstance(seq, int) and seq % 128:
+        a.fail(dest, f"needs --seq-length divisible by 128 under the mxfp8 recipe (Transformer Engine 2.20.2 quantizes "
+                     f"q, k, v in blocks of 128 tokens), got {seq}")
+        return False
+    if mla:
+        qk = a.int_arg("qk_head_dim", 128) + a.int_arg("qk_pos_emb_head_dim", 64)
+        dims = {"qk_head_dim + qk_pos_emb_head_dim": qk, "v_head_dim": a.int_arg("v_head_dim", 128)}
+    else:
+        dims = {"kv_channels": kw.get("kv_channels")}
+    for name, dim in dims.items():
+        if isinstance(dim, int) and dim % 32:
+            a.fail(dest, f"needs a head dim divisible by 32 under the mxfp8 recipe (Transformer Engine 2.20.2 "
+                         f"quantizes q, k, v in blocks of 32 along it), got {name} {dim}")
+            return False
+    a.notes.append(f"{key}: MXFP8 attention (Transformer Engine 2.20.2) runs only on Blackwell (SM 10.x) with cuDNN "
+                   "9.21 or later (not 9.23.0 / 9.23.1) and not with packed (THD) sequences; it keeps q, k, v in MXFP8 "
+                   "(rowwise and columnwise) and the attention output in BF16")
     return True
 
 

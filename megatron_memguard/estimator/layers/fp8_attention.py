@@ -1,6 +1,7 @@
 """FP8 core attention (``fp8_dot_product_attention``): what Transformer Engine 2.11's FusedAttention keeps
-and holds when an FP8 layer runs its dot-product attention in FP8 (the delayed and tensorwise recipes,
-the only ones TE's DotProductAttention accepts; resolve/fp8.py refuses or drops the others).
+and holds when an FP8 layer runs its dot-product attention in FP8 (the delayed and tensorwise recipes, the only
+ones TE 2.11's DotProductAttention accepts; the mxfp8 recipe as TE 2.20.2 runs it: ``mxfp8_attention``, at the
+end; resolve/fp8.py refuses or drops the others).
 
 Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`` (forward and backward),
 ``utils.py`` ``combine_and_quantize``, ``csrc/extensions/attention.cpp`` ``fused_attn_fwd`` (aux tensors):
@@ -49,6 +50,8 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
         return fp8_ring_attention(L, mixer, a2a)
+    if L.fp8_spec.recipe == "mxfp8":
+        return mxfp8_attention(L, mixer, mla)
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d = x.e, x.Tf, x.d
@@ -369,5 +372,95 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
             w += a2a_bwd - bf16_ring_bwd
         elif "softmax_stats" in rel:
             rel = rel | {"fp8_attention_qkv", "cp_kv_buffer"} | out_names
+        bwd.append((rel, w))
+    return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
+
+
+def _round(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def mxfp8_attention_tensors(Tf: int, heads_dims: tuple[tuple[int, int], ...]) -> int:
+    """Allocated bytes of ``mxfp8_quantize_fast_path`` (TE 2.20.2 ``dot_product_attention/utils.py``) on
+    ``[s, b, heads, dim]`` tensors of ``Tf = s*b`` tokens, quantized rowwise and columnwise (training:
+    ``combine_and_quantize`` with used_in_forward and used_in_backward sets neither usage branch, so the
+    quantizer's own stay: ``get_attention_quantizers`` turns columnwise on for MXFP8). Per tensor of E
+    elements: its row and column FP8 data (E bytes each, ``mxfp8_quantize_only``); then the E8M0 scales are
+    re-laid into two buffers shared by the tensors (``mxfp8_transpose_swizzle`` ``_build_outputs``): rowwise
+    ``[b, h, s, align4(dim/32)]``, columnwise ``[b, h, s/32, align128(dim)]``, one byte each."""
+    data = sum(2 * _alloc(Tf * h * dim) for h, dim in heads_dims)
+    row = sum(Tf * h * _round(dim // 32, 4) for h, dim in heads_dims)
+    col = sum(Tf // 32 * h * _round(dim, 128) for h, dim in heads_dims)
+    return data + _alloc(row) + _alloc(col)
+
+
+def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
+    """FP8 attention under the mxfp8 recipe (megatron-core >= 0.17 with TE 2.20.2, no context parallelism:
+    resolve/fp8.py refuses that path). ``DotProductAttention`` keeps the MXFP8 recipe for the attention
+    (``NVTE_DPA_FP8_RECIPE`` unset) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
+
+    * forward: q, k, v are made contiguous where they are views (``get_qkv_layout``) and quantized one by one (no
+      concatenation: ``combine_and_quantize``'s MXFP8 fast path for sbhd_sbhd_sbhd), each rowwise and columnwise
+      (``mxfp8_attention_tensors``); the output stays BF16 (``FusedAttnSpec``: O in model precision) and is the
+      tensor returned, saved once (``saved_from``);
+    * saved: the MXFP8 q, k, v (``fp8_tensors = (q_fp8, k_fp8, v_fp8, None)``) instead of the BF16 ones, the
+      BF16 output (``proj_input``, unchanged) and one fp32 softmax statistic ``[b, a, s, 1]`` (backends.py
+      ``softmax_stats, rng_state, *aux = aux_ctx_tensors``: the BF16 attention's, unchanged);
+    * backward: the BF16 output gradient quantized to MXFP8 rowwise and columnwise (``dO_quantizer``); dq, dk,
+      dv come out in BF16 as in BF16 attention.
+
+    Not counted, as for the other recipes: cuDNN's workspace and the quantizers' state; the scale tensors the
+    quantizer makes before their re-layout (``mxfp8_quantize_only``: 1/32 of the data, freed at once)."""
+    saved = mixer.saved
+    x = shapes(L)
+    e, Tf, d = x.e, x.Tf, x.d
+    if mla:
+        dqk = L.qk_head_dim + L.qk_pos_emb_head_dim
+        qkv = ((x.a_t, dqk), (x.a_t, dqk), (x.a_t, L.v_head_dim))
+        out = ((x.a_t, L.v_head_dim),)
+    else:
+        qkv = ((x.a_t, d), (x.g_t, d), (x.g_t, d))
+        out = ((x.a_t, d),)
+    qkv8 = mxfp8_attention_tensors(Tf, qkv)
+    do8 = mxfp8_attention_tensors(Tf, out)
+    gated = _gated(L) == 2
+    core = 2 if gated else 1                           # the core attention's backward step
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v; the backward's replay makes the MXFP8 q, k,
+        # v, alive through the core attention's backward with the MXFP8 output gradient
+        return mixer._replace(bwd_steps=tuple((rel, w + qkv8 + do8 if i == core else w)
+                                              for i, (rel, w) in enumerate(mixer.bwd_steps)))
+    dropped = {n: saved[n] for n in (_MLA_BF16_INPUTS if mla else _BF16_INPUTS) if n in saved}
+    gate_view = gated and (x.g_t == 1 or x.a_t == x.g_t)
+    if "qkv_output" in saved and not (L.qk_layernorm or gate_view):
+        dropped["qkv_output"] = saved["qkv_output"]
+    new: dict[str, int] = {}
+    for name, b in saved.items():
+        if name in dropped:
+            continue
+        if name == "softmax_stats":
+            new["fp8_attention_qkv"] = qkv8
+        new[name] = b
+    # get_qkv_layout (TE 2.20.2 utils.py run_iteratively): v, a strided view of the qkv output, matches no packed
+    # layout next to a separate q and k, so q, k, v are made contiguous (sbhd_sbhd_sbhd, which the MXFP8 fast path
+    # needs): a copy of v, and of q and k where neither rope nor the q/k norms made new ones (MLA's are contiguous)
+    copies = 0 if mla else Tf * x.g_t * d * e
+    if not mla and not any(n in saved for n in ("query_rope", "query_norm")):
+        copies += Tf * (x.a_t + x.g_t) * d * e
+    bf16_inputs = sum(dropped.values()) + copies
+    (names, _), *rest = mixer.fwd_steps
+    ctx_w = sum(h * dim for h, dim in out)
+    fwd = (
+        # the BF16 q, k, v next to their MXFP8 copies
+        (names | {"fp8_attention_qkv", "softmax_stats"}, bf16_inputs + qkv8),
+        # the kernel's BF16 output
+        (names, bf16_inputs + Tf * ctx_w * e),
+    )
+    bwd = []
+    for i, (rel, w) in enumerate(mixer.bwd_steps):
+        if i == core:
+            w += do8
+        elif "softmax_stats" in rel:
+            rel = rel | {"fp8_attention_qkv"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
