@@ -30,12 +30,13 @@ def _reference(rev: str):
     """schedule.py as it is at ``rev`` (a standalone module: it imports only the standard library)."""
     source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:megatron_memguard/schedule.py"], check=True,
                             capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="memguard-p2p-ref-"), "schedule_ref.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("schedule_ref", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="memguard-p2p-ref-") as tmp:
+        path = os.path.join(tmp, "schedule_ref.py")
+        with open(path, "w") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location("schedule_ref", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)     # (the file is no longer needed once executed)
     return module
 
 
