@@ -23,7 +23,8 @@ still win. The combined 1F1B schedule's peak is taken from every pass (``p2p_eve
 from __future__ import annotations
 
 from functools import lru_cache
-from operator import mul, sub
+from itertools import compress
+from operator import mul, not_, sub
 
 
 # One probe: (forward?, chunk, micro-batches held per chunk at that pass, the pass's ordinal among the
@@ -44,15 +45,21 @@ def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
     """Forwards of each chunk among the first ``a`` positions of the forward table."""
     P = vpp * group
     full = (m // group) * P
-    # (each chunk's share of the partial period clamped to [0, group] with conditionals: min/max calls cost more)
+    # the chunks before the partial period's current one have their whole share, the later ones none (built with
+    # list repetition: a comprehension over the chunks costs more at many virtual stages)
     if a <= full:
         j, o = divmod(a, P)
-        return [j * group + (0 if x < 0 else group if x > group else x) for x in range(o, o - vpp * group, -group)]
-    q = m - (m // group) * group
-    if not q:                               # past the last full group: every micro-batch
-        return [m] * vpp
-    o = a - full
-    return [m - q + (0 if x < 0 else q if x > q else x) for x in range(o, o - vpp * q, -q)]
+        base, size = j * group, group
+    else:
+        q = m - (m // group) * group
+        if not q:                           # past the last full group: every micro-batch
+            return [m] * vpp
+        o = a - full
+        base, size = m - q, q
+    d, r = divmod(o, size)
+    if d >= vpp:                            # the last position: every micro-batch
+        return [base + size] * vpp
+    return [base + size] * d + [base + r] + [base] * (vpp - d - 1)
 
 
 def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
@@ -584,7 +591,7 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
         if section == 0:
             # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
             for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
-                held = tuple(_counts_t(x + 1, vpp, m, group))
+                held = _counts_t(x + 1, vpp, m, group)
                 c = _chunk_at(vpp, m, group, x)
                 out[x] = ((True, c, held, held[c]), 0, x)
         elif section == 1:
@@ -596,8 +603,8 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                 # shrinks evenly between the group boundaries of its receives (pp - 1 steps behind) and of its
                 # passes: both ends of each stretch
                 edge = (0, 1, group - 1)
-                js.update(j for j in range(k, k + n)
-                          if (j + warm) % group in edge or (j + warm - pp + 1) % group in edge)
+                js.update([j for j in range(k, k + n)
+                           if (j + warm) % group in edge or (j + warm - pp + 1) % group in edge])
             for j in list(js):
                 if j < P:
                     # one period later (after a first backward), the first period after the warm-up's last input
@@ -629,7 +636,7 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
             for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
                 done = _counts_t(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
-                held = tuple(m - d for d in done)
+                held = tuple([m - d for d in done])
                 out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 2, y)
     # each pass's p2p_units_bound less its idle chunks' pairs, as a x max(receiving) + l x 2 x receiving[the warm-up's
     # last input's chunk] + c: the terms of p2p_tensors_at, each at its largest (the pass's section and direction
@@ -643,20 +650,36 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     first, last = pp_rank == 0, pp_rank == pp - 1
     cw, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)[2::2]
     # (the first stage's receives and the last stage's gradient receives bring nothing in their first pp - 1 steps)
+    # (clamps to [0, group + 1] with conditionals: min/max calls cost more)
+    g1 = group + 1
     passes = []
     add = passes.append
     for x in sorted(out):
         p, section, k = out[x]
         if section == 0:
-            add((p, 0, k, max(0, min(group + 1, k - pp + 1)) if first else 0, 0, 0))
+            if first:
+                a = k - pp + 1
+                add((p, 0, k, 0 if a < 0 else g1 if a > g1 else a, 0, 0))
+            else:
+                add((p, 0, k, 0, 0, 0))
             continue
         bwd1 = section == 1 and not p[0]
+        # (overlap_p2p_comm's receive after a steady backward, the last steady one excepted)
+        q = 1 if bwd1 and overlap and k < steady - 1 else 0
         if first:
-            a = max(0, min(group + 1, warm + k + (bwd1 and overlap and k < steady - 1) - pp + 1)) if section == 1 else 0
+            if section == 1:
+                a = warm + k + q - pp + 1
+                a = 0 if a < 0 else g1 if a > g1 else a
+            else:
+                a = 0
         else:
-            a = 1 if bwd1 and overlap and k < steady - 1 else 0
-        c = (max(0, min(group + 1, k - pp + 1)) if last else 0 if bwd1 or section == 2 else 1) + bwd1
-        add((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c))
+            a = q
+        if last:
+            c = k - pp + 1
+            c = 0 if c < 0 else g1 if c > g1 else c
+        else:
+            c = 0 if bwd1 or section == 2 else 1
+        add((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c + bwd1))
     return tuple(passes)
 
 
@@ -673,11 +696,12 @@ def p2p_units_bound(entry: tuple, receiving: tuple[int, ...], lingering_chunk: i
 def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[tuple, ...]:
     """p2p_passes by direction, chunk and held counts (the same held bytes and transient): (forward?, chunk, held,
     the first pass's index, the largest a, l and c of its passes' p2p_units_bound terms, its passes as
-    (index, a, l, c) in schedule order)."""
+    (index, a, l, c) in schedule order, the micro-batches held, the chunks holding none)."""
     keys: dict = {}
+    get = keys.get
     for i, ((fwd, c, held, _), _s, _k, a, l, c0) in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
         key = (fwd, c, held)
-        got = keys.get(key)
+        got = get(key)
         if got is None:
             keys[key] = [fwd, c, held, i, a, l, c0, [(i, a, l, c0)]]
             continue
@@ -689,7 +713,8 @@ def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool
         if c0 > got[6]:
             got[6] = c0
         got[7].append((i, a, l, c0))
-    return tuple((*k[:7], tuple(k[7])) for k in keys.values())
+    # (with each key its micro-batches held and chunks idle: p2p_peak's sums over the chunks alike)
+    return tuple([(*k[:7], tuple(k[7]), sum(k[2]), k[2].count(0)) for k in keys.values()])
 
 
 def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
@@ -711,11 +736,33 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     rl = 2 * receiving[cw] if 0 <= cw < len(receiving) else 0
     scored = []
     add = scored.append
-    for fwd, c, held, i0, a, l, c0, members in _p2p_keys(pp, vpp, m, group, pp_rank, overlap):
-        v = sum(map(mul, held, sizes)) + (fwd_extra if fwd else bwd_extra)[c]
-        # (p2p_units_bound's idle chunks' pairs, inline)
-        v_idle = v + t * 2 * sum([x for h, x in zip(held, receiving) if not h])
-        add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
+    keys = _p2p_keys(pp, vpp, m, group, pp_rank, overlap)
+    s0 = max(sizes, key=sizes.count, default=0)
+    ds = [(x, d - s0) for x, d in enumerate(sizes) if d != s0]
+    if len(sizes) == vpp and len(receiving) == vpp and len(ds) <= 4:
+        # sum_c held_c x sizes[c] as the most common size x the micro-batches held plus the other chunks' differences
+        # (the same integers; a pipeline's chunks are mostly alike), likewise the idle chunks' received inputs from
+        # their count
+        r0 = max(receiving, key=receiving.count)
+        dr = [(x, d - r0) for x, d in enumerate(receiving) if d != r0]
+        for fwd, c, held, i0, a, l, c0, members, n, idle in keys:
+            v = s0 * n + (fwd_extra[c] if fwd else bwd_extra[c])
+            for x, d in ds:
+                v += d * held[x]
+            if idle:                        # (p2p_units_bound's idle chunks' pairs, inline)
+                u = r0 * idle
+                for x, d in dr:
+                    if not held[x]:
+                        u += d
+                v_idle = v + t * 2 * u
+            else:
+                v_idle = v
+            add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
+    else:
+        for fwd, c, held, i0, a, l, c0, members, _n, idle in keys:
+            v = sum(map(mul, held, sizes)) + (fwd_extra[c] if fwd else bwd_extra[c])
+            v_idle = v + t * 2 * sum(compress(receiving, map(not_, held))) if idle else v
+            add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
     scored.sort()
     best, at, retained = -1, -1, 0
     for bound, i0, v, v_idle, members in scored:
