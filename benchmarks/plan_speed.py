@@ -85,22 +85,9 @@ def report_deepseek() -> None:
         return
     times = [t for t, _ in runs]
     res = runs[-1][1]
-    sd = res.search_dict()
-    med = statistics.median(times)
-    print(f"DeepSeek-V3, seq {DSV3_SEQ}, GBS {DSV3_GBS}, {GPUS} x H100-80GB, EP/ETP searched (across nodes allowed), "
-          f"top {TOP}")
-    cpu = statistics.median(_CPU[-3:])
-    print(f"in-process plan(): median {med:.3f} s over 3 runs (min {min(times):.3f}, max {max(times):.3f}), CPU time "
-          f"{cpu:.3f} s; target < {TARGET_S:.0f} s: {'met' if min(med, cpu) < TARGET_S else 'MISSED'}")
-    print(f"layouts: {sd['considered']:,} considered, {sd['visited']:,} visited, "
-          f"{sd['pruned_by_memory_bound']:,} bounded out, {sd['rejected_by_megatron_rules']:,} rejected by rules, "
-          f"{sd['estimated']:,} estimated, {sd['fitting']:,} fitting")
-    if res.entries:
-        best = res.entries[0]
-        print(f"best: {best.candidate.label} ({best.candidate.name}): {best.time.seconds:.2f} s/step, "
-              f"{best.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {best.time.mfu:.1%}, "
-              f"peak {best.estimate.peak_device_bytes / 2**30:.1f} GiB, ep_comm "
-              f"{best.time.term_seconds.get('ep_comm', 0.0):.2f} s")
+    _print_timed_plan(f"DeepSeek-V3, seq {DSV3_SEQ}, GBS {DSV3_GBS}, {GPUS} x H100-80GB, EP/ETP searched (across nodes "
+                      f"allowed), top {TOP}", times, statistics.median(_CPU[-3:]), res,
+                      lambda best: f", ep_comm {best.time.term_seconds.get('ep_comm', 0.0):.2f} s")
     for k, n in res.rejected.most_common(3):
         print(f"rejected {n}x: {k}")
 
@@ -135,9 +122,15 @@ def report_nemotron_h() -> None:
     runs = [plan_nemotron_h_once() for _ in range(3)]
     times, cpus = [t for t, _, _ in runs], [c for _, c, _ in runs]
     res = runs[-1][2]
+    _print_timed_plan(f"Nemotron-H 56B (hybrid Mamba), seq {NH_SEQ}, GBS {NH_GBS}, {GPUS} x H100-80GB, top {TOP}", times,
+                      statistics.median(cpus), res)
+
+
+def _print_timed_plan(title: str, times: list[float], cpu: float, res: PlanResult, extra=lambda best: "") -> None:
+    """A model's three in-process plans: wall and CPU time against the target, the search counts, the best layout."""
     sd = res.search_dict()
-    med, cpu = statistics.median(times), statistics.median(cpus)
-    print(f"Nemotron-H 56B (hybrid Mamba), seq {NH_SEQ}, GBS {NH_GBS}, {GPUS} x H100-80GB, top {TOP}")
+    med = statistics.median(times)
+    print(title)
     print(f"in-process plan(): median {med:.3f} s over 3 runs (min {min(times):.3f}, max {max(times):.3f}), CPU time "
           f"{cpu:.3f} s; target < {TARGET_S:.0f} s: {'met' if min(med, cpu) < TARGET_S else 'MISSED'}")
     print(f"layouts: {sd['considered']:,} considered, {sd['visited']:,} visited, "
@@ -147,8 +140,7 @@ def report_nemotron_h() -> None:
         best = res.entries[0]
         print(f"best: {best.candidate.label} ({best.candidate.name}): {best.time.seconds:.2f} s/step, "
               f"{best.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {best.time.mfu:.1%}, "
-              f"peak {best.estimate.peak_device_bytes / 2**30:.1f} GiB")
-
+              f"peak {best.estimate.peak_device_bytes / 2**30:.1f} GiB{extra(best)}")
 
 def main() -> None:
     runs = [plan_once() for _ in range(5)]

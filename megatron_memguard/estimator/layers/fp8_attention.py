@@ -26,10 +26,12 @@ BF16 q, k, v it replays from: the saved tensors do not change, the replay's FP8 
 attention's backward step (docs/terms/fp8.md)."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from ...layout import Layout
 from ..fp8 import _alloc, quantized_tensor
 from .attention import _gated
-from .base import MixerActivations, shapes
+from .base import MixerActivations, Shapes, shapes
 from .cp_attention import a2a_peak
 
 # the BF16 tensors of q, k, v that only the core attention kept
@@ -37,6 +39,16 @@ _BF16_INPUTS = ("query_rope", "key_rope", "query_norm", "key_norm")
 # multi-latent attention's: query, key [Tf, a, qk + rope dim] and value [Tf, a, v], made contiguous by
 # MLASelfAttention for TE (layers/mla.py)
 _MLA_BF16_INPUTS = ("query", "key", "value")
+
+
+def _bf16_dropped(L: Layout, x: Shapes, saved: Mapping[str, int], mla: bool, gated: bool) -> dict[str, int]:
+    """The BF16 tensors FP8 attention no longer keeps (it saves its own quantized q, k, v): the rope / norm outputs
+    (MLA: q, k, v), and the qkv output unless the q/k norms' saved inputs, or a gate that is a view of it, hold it."""
+    dropped = {n: saved[n] for n in (_MLA_BF16_INPUTS if mla else _BF16_INPUTS) if n in saved}
+    gate_view = gated and (x.g_t == 1 or x.a_t == x.g_t)
+    if "qkv_output" in saved and not (L.qk_layernorm or gate_view):
+        dropped["qkv_output"] = saved["qkv_output"]
+    return dropped
 
 
 def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
@@ -74,11 +86,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
         replay = qkv8 + x.b * x.a_t * x.s * 4 + out8 + (qkv8 + out8 if delayed else 0)
         return mixer._replace(bwd_steps=tuple((rel, w + replay if i == core else w)
                                               for i, (rel, w) in enumerate(mixer.bwd_steps)))
-    dropped = {n: saved[n] for n in (_MLA_BF16_INPUTS if mla else _BF16_INPUTS) if n in saved}
-    # the qkv output stays alive through the q/k norms' saved inputs, or a gate that is a view of it
-    gate_view = gated and (x.g_t == 1 or x.a_t == x.g_t)
-    if "qkv_output" in saved and not (L.qk_layernorm or gate_view):
-        dropped["qkv_output"] = saved["qkv_output"]
+    dropped = _bf16_dropped(L, x, saved, mla, gated)
     new: dict[str, int] = {}
     for name, b in saved.items():
         if name in dropped:
@@ -430,10 +438,7 @@ def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mi
         # v, alive through the core attention's backward with the MXFP8 output gradient
         return mixer._replace(bwd_steps=tuple((rel, w + qkv8 + do8 if i == core else w)
                                               for i, (rel, w) in enumerate(mixer.bwd_steps)))
-    dropped = {n: saved[n] for n in (_MLA_BF16_INPUTS if mla else _BF16_INPUTS) if n in saved}
-    gate_view = gated and (x.g_t == 1 or x.a_t == x.g_t)
-    if "qkv_output" in saved and not (L.qk_layernorm or gate_view):
-        dropped["qkv_output"] = saved["qkv_output"]
+    dropped = _bf16_dropped(L, x, saved, mla, gated)
     new: dict[str, int] = {}
     for name, b in saved.items():
         if name in dropped:
