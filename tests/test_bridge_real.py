@@ -557,6 +557,41 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
     assert raw.args["num_layers"] == 16
 
 
+def test_a_real_gemma2_run_config_is_refused_by_name(recipes, tmp_path):
+    """Bridge's Gemma2ModelProvider builds its own core attention (FlexAttention with a softcap score_mod, or an
+    unfused fallback keeping the [b, a, s, s] scores) and a softcapping output layer; memguard models neither, so
+    its run_config.yaml dump (and the container object) is refused naming the softcapping key, not read as a GPT."""
+    import dataclasses
+
+    from megatron.bridge.models.gemma import gemma2_provider as g
+
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.bridge import model_known_fields
+    from megatron_memguard.readers.detect import read_config_file
+
+    cfg = recipes.llama32_1b_pretrain_config()
+    cfg.model = g.Gemma2ModelProvider(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
+                                      num_query_groups=2, kv_channels=64, vocab_size=1024,
+                                      seq_length=cfg.model.seq_length)
+    # what the refusal rests on, from Bridge's source: the two softcaps' defaults (50.0 and 30.0) and the core
+    # attention of its layer spec; none of the three fields is one of the providers memguard reads
+    assert (cfg.model.attn_logit_softcapping, cfg.model.final_logit_softcapping) == (50.0, 30.0)
+    spec = g.gemma2_layer_spec(cfg.model)
+    assert spec.submodules.self_attention.submodules.core_attention is g.Gemma2FlexDotProductAttention
+    gemma_only = {f.name for f in dataclasses.fields(cfg.model)} - model_known_fields()
+    assert {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"} <= gemma_only
+    path = tmp_path / "run_config.yaml"
+    cfg.to_yaml(str(path))
+    for read in (lambda: read_config_file(str(path)), lambda: raw_config(cfg)):
+        with pytest.raises(NotModelledError, match=r"^model\.attn_logit_softcapping: Gemma 2's attention logit"):
+            read()
+    cfg.model.attn_logit_softcapping = None   # the output layer's softcap alone is refused too
+    cfg.to_yaml(str(path))
+    with pytest.raises(NotModelledError, match=r"^model\.final_logit_softcapping: "):
+        read_config_file(str(path))
+
+
 # --------------------------------------------------------------------------------------------------
 # A recipe's env_vars reach the job as Bridge's apply_environment_variables puts them there (setdefault: the
 # launch's own value wins); memguard check of `VAR=value torchrun ... run_recipe.py` reads the same environment

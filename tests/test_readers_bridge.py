@@ -447,3 +447,32 @@ def test_add_bias_linear_is_true_where_mlp_forward_runs(recipe, extra, problem):
                  "model.add_bias_linear=1", *extra]
     raw = read_bridge({}, f"recipe {recipe}", parse_overrides(overrides), recipe=recipe)
     assert [p.key for p in raw.problems] == (["model.add_bias_linear"] if problem else []), raw.problems
+
+
+# Gemma 2 (Megatron-Bridge 0.6.2 models/gemma/gemma2_provider.py): Gemma2ModelProvider defaults to
+# attn_logit_softcapping 50.0 and final_logit_softcapping 30.0, and its gemma2_layer_spec swaps in
+# Gemma2FlexDotProductAttention and Gemma2OutputLayer, neither of which memguard models: refused by name
+GEMMA2 = FLAT.replace("megatron.bridge.models.gpt_provider.GPTModelProvider",
+                      "megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider", 1)
+
+
+@pytest.mark.parametrize("extra, key", [
+    ("  attn_logit_softcapping: 50.0\n", "model.attn_logit_softcapping"),
+    ("  attn_logit_softcapping: null\n  final_logit_softcapping: 30.0\n", "model.final_logit_softcapping"),
+    ("  attn_logit_softcapping: 0.0\n  final_logit_softcapping: null\n  transformer_layer_spec:\n"
+     "    _target_: megatron.bridge.models.gemma.gemma2_provider.gemma2_layer_spec\n    _call_: false\n",
+     "model.transformer_layer_spec"),
+    ("  attn_logit_softcapping: null\n  final_logit_softcapping: 0\n", "model._target_"),
+])
+def test_a_gemma2_model_is_refused_naming_the_key(tmp_path, extra, key):
+    with pytest.raises(NotModelledError, match=rf"^{key}: Gemma 2's attention logit softcapping .*Gemma2OutputLayer"):
+        read(tmp_path, GEMMA2.replace("  bf16: true\n", "  bf16: true\n" + extra, 1))
+
+
+def test_a_softcapping_key_under_gpt_provider_is_skipped_as_bridge_skips_it(tmp_path):
+    # GPTModelProvider has no such field: Bridge's _apply_overrides skips a file's key with a warning (the estimate
+    # is then a GPT's, as Bridge's model is) and Hydra refuses it as an override
+    raw = read(tmp_path, FLAT.replace("  bf16: true\n", "  bf16: true\n  attn_logit_softcapping: 50.0\n", 1))
+    assert any(w.startswith("model.attn_logit_softcapping: not a field") for w in raw.warnings)
+    with pytest.raises(ConfigError, match=r"^model\.attn_logit_softcapping: not a field"):
+        read(tmp_path, FLAT, overrides=["model.attn_logit_softcapping=50.0"])
