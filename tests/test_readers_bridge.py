@@ -415,7 +415,7 @@ def test_a_model_override_typo_is_refused_as_bridge_refuses_it(override, hint):
 def test_a_model_file_typo_warns_and_other_providers_keep_the_old_warning(tmp_path):
     """A file's unknown model key is skipped by Bridge with a warning ("not found in config object GPTModelProvider.
     Skipping."): a warning with the hint; a provider whose own fields memguard does not list (Gemma 2 adds
-    attn_logit_softcapping...) keeps the plain warning, and a +model.KEY override is a warning too."""
+    fields of its own) keeps the plain warning, and a +model.KEY override is a warning too."""
     from megatron_memguard.readers._common import parse_overrides
     from megatron_memguard.readers.bridge import read_bridge
 
@@ -425,9 +425,9 @@ def test_a_model_file_typo_warns_and_other_providers_keep_the_old_warning(tmp_pa
             "(did you mean model.num_layers?)") in raw.warnings
     raw = read_bridge({}, "recipe llama32_1b", parse_overrides(["+model.num_layer=4"]), recipe="llama32_1b")
     assert any(w.startswith("model.num_layer: not a field") and "model.num_layers?" in w for w in raw.warnings)
-    gemma = read(tmp_path, FLAT.replace(gpt, "  _target_: megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider"
-                                             "\n  attn_logit_softcapping: 50.0\n", 1))
-    assert "model.attn_logit_softcapping: not a megatron-core / Megatron-Bridge model setting; ignored" in gemma.warnings
+    # (Gemma 2's own softcapping fields are refused instead: test_a_gemma2_model_is_refused_naming_the_key)
+    other = read(tmp_path, FLAT.replace(gpt, "  _target_: my_models.MyProvider\n  frobnicate: 1\n", 1))
+    assert "model.frobnicate: not a megatron-core / Megatron-Bridge model setting; ignored" in other.warnings
 
 
 @pytest.mark.parametrize("recipe, extra, problem", [

@@ -258,3 +258,24 @@ def test_nemo2_attention_backend_local_with_the_te_spec_is_a_problem(tmp_path):
     assert [str(p).split(":")[0] for p in raw.problems] == ["model.config.attention_backend"]
     ok = read(tmp_path, text.replace("attention_backend: local", "attention_backend: unfused"))
     assert not ok.problems
+
+
+@pytest.mark.parametrize("target, extra, key", [
+    # NeMo 2's Gemma2Config builds Gemma 2's softcapping attention and output layer (as Bridge's Gemma2ModelProvider,
+    # models/gemma/gemma2_provider.py, which it was ported from): refused by its class, and the softcap by its key
+    ("nemo.collections.llm.gpt.model.gemma2.Gemma2Config2B", "", "model.config._target_"),
+    ("nemo.collections.llm.gpt.model.qwen3.Qwen3Config30B_A3B", "    attn_logit_softcapping: 50.0\n",
+     "model.config.attn_logit_softcapping"),
+    ("nemo.collections.llm.gpt.model.qwen3.Qwen3Config30B_A3B", "    final_logit_softcapping: 30.0\n",
+     "model.config.final_logit_softcapping"),
+])
+def test_nemo2_gemma2_softcapping_is_refused_by_name(tmp_path, target, extra, key):
+    from megatron_memguard.errors import NotModelledError
+
+    text = QWEN3_30B_A3B_EXPORT.replace("nemo.collections.llm.gpt.model.qwen3.Qwen3Config30B_A3B", target, 1).replace(
+        "    recompute_num_layers: 1\n", "    recompute_num_layers: 1\n" + extra, 1)
+    with pytest.raises(NotModelledError, match=rf"^{key}: Gemma 2's attention logit softcapping"):
+        read(tmp_path, text)
+    # a softcap of 0 is off (Bridge's `if softcap`): the Qwen3 export still reads
+    if extra:
+        assert read(tmp_path, text.replace(": 50.0", ": 0.0").replace(": 30.0", ": 0")).args["num_layers"] == 48

@@ -116,6 +116,29 @@ def _number(v: Any) -> Any:
     return v
 
 
+# Gemma 2's own modules (Megatron-Bridge 0.6.2 models/gemma/gemma2_provider.py, which NeMo 2's Gemma2Config
+# builds alike): gemma2_layer_spec's core attention is Gemma2FlexDotProductAttention (PyTorch FlexAttention with the
+# softcap as a score_mod; its unfused parent when FlexAttention is missing, a padding mask is passed or attention
+# dropout is on, which keeps the [b, a/TP, s, s] scores, their tanh softcap and a sliding-window mask), and
+# Gemma2OutputLayer softcaps the [s, b, V/TP] logits. memguard models TE's attention and megatron-core's output
+# layer: such a model is refused, not estimated as a GPT.
+GEMMA2_WHAT = ("Gemma 2's attention logit softcapping and final logit softcapping (Megatron-Bridge's "
+               "Gemma2FlexDotProductAttention, FlexAttention or an unfused fallback keeping the [b, a, s, s] scores, and "
+               "Gemma2OutputLayer, models/gemma/gemma2_provider.py)")
+SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
+
+
+def refuse_softcapping(fields: Mapping[str, tuple[Any, str]]) -> None:
+    """Refuse a softcapping field other than null / 0 under its key (Bridge tests ``if softcap`` / ``if scale``);
+    megatron-core has no such field: only a model class that declares it (Gemma 2's) reads it."""
+    from ..errors import NotModelledError
+
+    for name in SOFTCAPPING_FIELDS:
+        value, key = fields.get(name, (None, name))
+        if value is not None and not is_missing(value) and value not in (0, 0.0, False, "0", "0.0"):
+            raise NotModelledError(key, GEMMA2_WHAT)
+
+
 def target_name(v: Any) -> str | None:
     """``{_target_: torch.nn.functional.silu, _call_: false}`` -> ``silu``; a dotted string -> its last part."""
     if isinstance(v, Mapping):

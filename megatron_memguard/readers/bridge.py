@@ -32,7 +32,7 @@ from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
     group_query_attention, is_missing, layout_text, map_mcore_fields, mcore_model_fields, model_bool_fields,
-    peft_module_list, refuse_unset_section_field, section_typed_field, set_vocab, target_name, true_or_false,
+    GEMMA2_WHAT, peft_module_list, refuse_softcapping, refuse_unset_section_field, section_typed_field, set_vocab, target_name, true_or_false,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -645,33 +645,21 @@ def _hybrid_stack_spec(field: Field | None) -> None:
                            f"hybrid_stack_spec}}) or be null, got {shown(value)}")
 
 
-# Gemma 2's own modules (Megatron-Bridge 0.6.2 models/gemma/gemma2_provider.py): gemma2_layer_spec's core attention
-# is Gemma2FlexDotProductAttention (PyTorch FlexAttention with the softcap as a score_mod; the unfused parent when
-# FlexAttention is missing, a padding mask is passed or attention dropout is on, which keeps the [b, a/TP, s, s]
-# scores, their tanh softcap and a sliding-window mask), and Gemma2OutputLayer softcaps the [s, b, V/TP] logits.
-# Neither is TE's attention nor megatron-core's output layer, which memguard models: refused, not taken as a GPT.
-_GEMMA2_WHAT = ("Gemma 2's attention logit softcapping and final logit softcapping (Megatron-Bridge's "
-                "Gemma2FlexDotProductAttention, FlexAttention or an unfused fallback keeping the [b, a, s, s] scores, and "
-                "Gemma2OutputLayer, models/gemma/gemma2_provider.py)")
-
-
 def _gemma2_modules(model: Mapping[str, Field]) -> None:
     """Refuse by name a model section that builds Gemma 2's modules: a softcapping value other than null / 0 (Bridge
     tests ``if softcap`` / ``if scale``), gemma2_layer_spec, or a Gemma2ModelProvider (whose defaults set both).
     The providers memguard checks have no softcapping field: there Bridge skips the key (_unknown_keys warns)."""
     from ..errors import NotModelledError
 
-    for name in () if _model_checked(model) else ("attn_logit_softcapping", "final_logit_softcapping"):
-        value, key = model.get(name, (None, ""))
-        if value is not None and not is_missing(value) and value not in (0, 0.0, False, "0", "0.0"):
-            raise NotModelledError(key, _GEMMA2_WHAT)
+    if not _model_checked(model):
+        refuse_softcapping(model)
     spec_value, spec_key = model.get("transformer_layer_spec", (None, ""))
     spec = target_name(spec_value) if spec_value is not None else None
     if isinstance(spec, str) and spec.rsplit(".", 1)[-1] == "gemma2_layer_spec":
-        raise NotModelledError(spec_key, _GEMMA2_WHAT)
+        raise NotModelledError(spec_key, GEMMA2_WHAT)
     target, key = model.get("_target_", (None, "model._target_"))
     if isinstance(target, str) and target.strip().rsplit(".", 1)[-1].startswith("Gemma2ModelProvider"):
-        raise NotModelledError(key, _GEMMA2_WHAT)
+        raise NotModelledError(key, GEMMA2_WHAT)
 
 
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool,  # noqa: C901

@@ -22,10 +22,10 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name, emerging_optimizer,
-    fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, model_fields_read, refuse_unset,
-    peft_module_list, refuse_unset_section_field, set_vocab, target_name, _FSDP_DDP_KEYS, _MISSING_RULE,
-    _OFFLOAD_OPTIMIZER_KEYS,
+    GEMMA2_WHAT, ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name,
+    emerging_optimizer, fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, model_fields_read,
+    refuse_softcapping, refuse_unset, peft_module_list, refuse_unset_section_field, set_vocab, target_name,
+    _FSDP_DDP_KEYS, _MISSING_RULE, _OFFLOAD_OPTIMIZER_KEYS,
 )
 
 _GPTCONFIG_EXTRAS = frozenset({
@@ -80,6 +80,9 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         b.warn(f"{ckey}: {cls} is not a class memguard knows and the file has no shape; give --model NAME")
     given = {str(name): (value, f"{ckey}.{name}") for name, value in cfg.items() if name != "_target_"}
     refuse_unset(given, model_fields_read(), model_fields_read(), "NeMo 2")   # the file's '???' / null, not the preset's
+    refuse_softcapping(given)
+    if cls.startswith("Gemma2"):   # (Gemma2Config and its sizes: the softcapping defaults, gemma2_layer_spec)
+        raise NotModelledError(f"{ckey}._target_", GEMMA2_WHAT)
     for name, (value, key) in given.items():
         if not is_missing(value):
             fields[name] = (value, key)
