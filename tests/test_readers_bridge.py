@@ -476,3 +476,11 @@ def test_a_softcapping_key_under_gpt_provider_is_skipped_as_bridge_skips_it(tmp_
     assert any(w.startswith("model.attn_logit_softcapping: not a field") for w in raw.warnings)
     with pytest.raises(ConfigError, match=r"^model\.attn_logit_softcapping: not a field"):
         read(tmp_path, FLAT, overrides=["model.attn_logit_softcapping=50.0"])
+
+
+def test_the_gemma2_recipes_are_refused_for_the_same_reason_as_their_dump():
+    from megatron_memguard.readers.models import read_model
+
+    with pytest.raises(NotModelledError, match=r"^--model: the Megatron-Bridge recipe 'gemma2_9b_pretrain_config' "
+                       r"\(Gemma 2's attention logit softcapping .*; its run_config.yaml dump is refused for the same"):
+        read_model("gemma2_9b_pretrain_config")

@@ -75,8 +75,9 @@ def unmodelled_recipe(name: str, key: str = "--model") -> None:
     n = name.strip().lower().replace("-", "_")
     for r in presets().get("unmodelled_recipes") or ():
         if n.startswith(r["prefix"]):
-            raise NotModelledError(key, f"the Megatron-Bridge recipe {shown(name)} ({r['what']}; its run_config.yaml "
-                                   "dump can be read with --config)")
+            dump = ("its run_config.yaml dump can be read with --config" if r.get("dump", True)
+                    else "its run_config.yaml dump is refused for the same reason")
+            raise NotModelledError(key, f"the Megatron-Bridge recipe {shown(name)} ({r['what']}; {dump})")
 
 
 def recipe_for_function(name: str) -> str | None:
