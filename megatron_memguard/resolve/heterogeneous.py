@@ -27,6 +27,21 @@ def ffn_mult_to_size(ffn_mult: float, hidden_size: int) -> int:
     return n if n % 256 == 0 else n + 256 - n % 256
 
 
+def _load_json(text: str, where: str) -> Any:
+    from ..files import load_json
+    return load_json(text, where)
+
+
+def _load_file(path: str, where: str) -> tuple[bool, Any]:
+    """(whether the file starts with a UTF-8 BOM, its JSON; None with a BOM, which is refused unparsed)."""
+    from ..files import decode, read_bytes
+    data = read_bytes(path)
+    text = decode(data, path)          # (drops a BOM, which Megatron's Path.read_text() keeps)
+    if data.startswith(b"\xef\xbb\xbf"):
+        return True, None
+    return False, _load_json(text, where)
+
+
 def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     path, encoded = a.get(PATH), a.get(ENCODED)
     if not path and not encoded:
@@ -36,19 +51,17 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         if encoded:
             text = str(encoded)
             bom = text.startswith("\ufeff")
+            doc = None if bom else _load_json(text, a.key(dest))
         else:
-            from ..files import decode, read_bytes
-            data = read_bytes(str(path))
-            text = decode(data, str(path))          # (drops a BOM, which Megatron's Path.read_text() keeps)
-            bom = data.startswith(b"\xef\xbb\xbf")
+            # once per file version (files.read_once): memguard plan resolves the config for every candidate layout
+            from ..files import read_once
+            bom, doc = read_once(_load_file, str(path), a.key(dest))
         if bom:
             # validate_model_config_args_from_heterogeneous_config (megatron-core 0.19.2 training/arguments.py):
             # json.loads(Path(path).read_text()) raises 'Unexpected UTF-8 BOM (decode using utf-8-sig)'
             a.fail(dest, "starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; save it as UTF-8 "
                          "without a BOM")
             return dict(heterogeneous_layers=None)
-        from ..files import load_json
-        doc = load_json(text, a.key(dest))
     except ReaderError as e:
         a.fail(dest, f"cannot be read ({e})")
         return dict(heterogeneous_layers=None)
