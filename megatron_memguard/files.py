@@ -356,6 +356,7 @@ def read_once(load: Callable[..., T], path: str, *extra: Hashable) -> T:
         st = os.stat(path)
     except OSError:     # (load names the problem; nothing to cache)
         return load(path, *extra)
+    racy = time.time_ns() - st.st_mtime_ns <= _RACY_NS     # (taken before the read, which may take long)
     key = (load, path, os.path.abspath(path), st.st_ino, st.st_mtime_ns, st.st_size, extra)
     hit = _READ_CACHE.get(key)
     if hit is None:
@@ -363,7 +364,7 @@ def read_once(load: Callable[..., T], path: str, *extra: Hashable) -> T:
             hit = True, load(path, *extra)
         except ReaderError as e:
             hit = False, e
-        if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+        if not racy:
             if len(_READ_CACHE) >= _READ_CACHE_SIZE:
                 del _READ_CACHE[next(iter(_READ_CACHE))]    # (the oldest entry)
             _READ_CACHE[key] = hit
