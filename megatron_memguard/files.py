@@ -339,7 +339,6 @@ def _measure(node: Any, size: dict[int, int], depth: int, where: str) -> int:
     return n
 
 
-
 _READ_CACHE: dict[tuple, tuple[bool, Any]] = {}
 _READ_CACHE_SIZE = 16
 _RACY_NS = 50_000_000   # a file changed this close to its read may change again unseen (mtime ticks are coarse)
@@ -356,7 +355,8 @@ def read_once(load: Callable[..., T], path: str, *extra: Hashable) -> T:
         st = os.stat(path)
     except OSError:     # (load names the problem; nothing to cache)
         return load(path, *extra)
-    racy = time.time_ns() - st.st_mtime_ns <= _RACY_NS     # (taken before the read, which may take long)
+    # (taken before the read, which may take long; a modification time in the future is no race: a write resets it)
+    racy = abs(time.time_ns() - st.st_mtime_ns) <= _RACY_NS
     key = (load, path, os.path.abspath(path), st.st_ino, st.st_mtime_ns, st.st_size, extra)
     hit = _READ_CACHE.get(key)
     if hit is None:

@@ -620,3 +620,21 @@ def test_the_json_file_is_read_once_per_version_and_its_error_kept(tmp_path, mon
         n = len(reads)
         assert rule in _err(FLAGS + [key, good]) and rule in _err(FLAGS + [key, good])
         assert len(reads) == n + 1
+
+
+def test_the_encoded_json_is_parsed_once_per_text_and_its_error_kept(monkeypatch):
+    # memguard plan resolves --heterogeneous-layers-config-encoded-json for every candidate layout: one parse per text
+    from megatron_memguard import files
+    parses = []
+    real = files.load_json
+    monkeypatch.setattr(files, "load_json", lambda t, *a, **k: parses.append(t) or real(t, *a, **k))
+    with open(BLOCKS) as fh:
+        text = json.dumps(json.load(fh)) + " " * 7      # (a text no other test gives: not parsed before)
+    key = "--heterogeneous-layers-config-encoded-json"
+    for _ in range(2):
+        layout_from_flags(FLAGS + [key, text], world_size=1)
+    assert parses == [text]
+    bad = "[" * 70 + "]" * 70
+    for _ in range(2):
+        assert "nested deeper than 64 levels" in _err(FLAGS + [key, bad])
+    assert parses == [text, bad]

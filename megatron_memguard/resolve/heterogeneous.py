@@ -11,6 +11,7 @@ checked and builds uniform layers.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 from packaging.version import Version
@@ -32,6 +33,15 @@ def _load_json(text: str, where: str) -> Any:
     return load_json(text, where)
 
 
+@functools.lru_cache(maxsize=4)
+def _load_encoded(text: str, where: str) -> tuple[bool, Any]:
+    """--heterogeneous-layers-config-encoded-json parsed once per text (plan resolves it for every candidate)."""
+    try:
+        return True, _load_json(text, where)
+    except ReaderError as e:
+        return False, e
+
+
 def _load_file(path: str, where: str) -> tuple[bool, Any]:
     """(whether the file starts with a UTF-8 BOM, its JSON; None with a BOM, which is refused unparsed)."""
     from ..files import decode, read_bytes
@@ -51,7 +61,9 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         if encoded:
             text = str(encoded)
             bom = text.startswith("\ufeff")
-            doc = None if bom else _load_json(text, a.key(dest))
+            ok, doc = (True, None) if bom else _load_encoded(text, a.key(dest))
+            if not ok:
+                raise doc.with_traceback(None)
         else:
             # once per file version (files.read_once): memguard plan resolves the config for every candidate layout
             from ..files import read_once
