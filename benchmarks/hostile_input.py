@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile15, hostile16, hostile17)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile16, hostile17, hostile18)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -42,7 +42,8 @@ inf, BOM, CRLF, tabs and look-alike keys, unicode dashes in flags and plan's opt
 files, UTF-16 / UTF-32 / Latin-1 files at every config, log and profile argument and MEMGUARD_PROFILE, calibrate on hostile
 iteration and memory lines, site profiles with hostile time constants, schemas and GPUs in every command, damaged runtime
 JSONL, plan --explain with other options, NeMo / Bridge overrides holding command substitutions and MEMGUARD_* variables
-(issue hostile17). Prints, per command, the number of runs, how many broke the
+(issue hostile17); memguard plan on 8 and 64 GPUs with hostile --tp-comm-overlap-cfg and
+--heterogeneous-layers-config-path files, which every candidate layout resolves (issue hostile18). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -2081,6 +2082,41 @@ def big_logs(d: str) -> None:
               + (f"  BROKEN: {'; '.join(o.problems)[:200]}" if o.problems else ""))
 
 
+def hostile18_cases():
+    """Issue hostile18: memguard plan resolves the config for every candidate layout, so a file the config names was
+    read and parsed once per candidate (ci39: a --tp-comm-overlap-cfg of 20,000 nested brackets, 3 minutes); every such
+    file (--tp-comm-overlap-cfg, --heterogeneous-layers-config-path) hostile, valid or not, under plan on 8 and 64
+    GPUs (files.read_once: once per file version). --yaml-cfg, --config and --site-profile are read once by plan."""
+    het = ("--num-layers 32 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+           "--ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope --use-rope-scaling "
+           "--use-rotary-position-embeddings --rotary-base 500000 --untie-embeddings-and-output-weights "
+           "--disable-bias-linear --max-position-embeddings 4096 --bf16 --hidden-dropout 0 --attention-dropout 0 "
+           "--tokenizer-type NullTokenizer --vocab-size 1024 --heterogeneous-layers-config-path h.json").split()
+    base = json.load(open(os.path.join(ROOT, "tests", "data", "heterogeneous", "small_blocks.json")))
+    base = dict(base, num_hidden_layers=32, block_configs=base["block_configs"] * 8)
+    nest: Any = 1
+    for _ in range(60):
+        nest = [nest]
+    docs = {"valid": json.dumps(base),
+            "9,000 strings of 100 (valid, unused key)": json.dumps(dict(base, pad=["x" * 100] * 9_000)),
+            "60-deep nesting (valid, unused key)": json.dumps(dict(base, pad=[nest] * 140)),
+            "900 KB of blanks (valid)": json.dumps(base) + " " * 900_000,
+            "\\u escapes (valid, unused key)": json.dumps(dict(base, pad="\u00e9" * 150_000), ensure_ascii=True),
+            "100,000 [": "[" * 100_000, "10,001 values": json.dumps(dict(base, pad=[0] * 10_001)),
+            "BOM": "\ufeff" + json.dumps(base)}
+    ub = {"ci39: 20,000 [": "[" * 20_000 + "\n", "100,000 [": "[" * 100_000 + "\n",
+          "alias bomb": f"qkv_fprop: {alias_bomb(6, 6)}\n",
+          "valid, 900 KB of comments": "qkv_dgrad: {method: ring_exchange}\n" + ("#" * 99 + "\n") * 9_000,
+          "30,000 GEMMs": "".join(f"k{i}: {{method: ring_exchange}}\n" for i in range(30_000))}
+    for gpus in ("8", "64"):
+        plan = ["plan", "--gpus", gpus, "--seq-length", "512", "--global-batch-size", "64"]
+        for label, text in docs.items():
+            yield f"plan {gpus} GPUs heterogeneous {label}", [*plan, "--", *het], {"h.json": text}
+        for label, text in ub.items():
+            yield f"plan {gpus} GPUs --tp-comm-overlap-cfg {label}", [*plan, "--", *MOE, "--tp-comm-overlap",
+                                                                      "--tp-comm-overlap-cfg", "ub.yaml"], {"ub.yaml": text}
+
+
 def main(argv: list[str]) -> int:
     import tempfile
 
@@ -2100,7 +2136,8 @@ def main(argv: list[str]) -> int:
               ("newest", newest_cases()), ("hostile10", hostile10_cases()), ("hostile11", hostile11_cases()),
               ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name)),
               ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases()), ("hostile16", hostile16_cases()),
-              ("hostile17", hostile17_cases(tmp.name))]
+              ("hostile17", hostile17_cases(tmp.name)),
+              ("hostile18", hostile18_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]

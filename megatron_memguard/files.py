@@ -13,7 +13,8 @@ import json
 import os
 import select
 import stat
-from typing import IO, Any
+import time
+from typing import IO, Any, Callable, Hashable, TypeVar
 
 import yaml
 import yaml.parser
@@ -32,6 +33,8 @@ MAX_FILE_BYTES = 2**20          # 1 MiB: 50 x the largest reference config
 MAX_DEPTH = 64                  # nesting levels of mappings and lists (real configs: under 10)
 MAX_VALUES = 10_000             # values of a document after alias expansion (real configs: under 500)
 _MAX_INT_DIGITS = 40            # longer integers stay text (so that the bound on their key names them)
+
+T = TypeVar("T")
 
 
 class _PyParser(Reader, Scanner, _PyParserBase):
@@ -335,3 +338,37 @@ def _measure(node: Any, size: dict[int, int], depth: int, where: str) -> int:
     size[id(node)] = n
     return n
 
+
+_READ_CACHE: dict[tuple, tuple[bool, Any]] = {}
+_READ_CACHE_SIZE = 16
+_RACY_NS = 50_000_000   # a file changed this close to its read may change again unseen (mtime ticks are coarse)
+
+
+def read_once(load: Callable[..., T], path: str, *extra: Hashable) -> T:
+    """``load(path, *extra)``, once per version of the file (its path, absolute path, inode, modification time and
+    size), its ReaderError kept too: memguard plan resolves a config for every candidate layout (1,122 for a small
+    MoE model on 8 GPUs), and a file a config names (--tp-comm-overlap-cfg, --heterogeneous-layers-config-path) was
+    read and parsed again each time (a hostile one took 0.16 s a read: 3 minutes). ``load`` is a module-level
+    function (part of the key) whose result the callers only read. A read within 50 ms of the file's last change
+    is not kept: another write in the same clock tick, of the same size, would look like the same version."""
+    try:
+        st = os.stat(path)
+    except OSError:     # (load names the problem; nothing to cache)
+        return load(path, *extra)
+    # (taken before the read, which may take long; a modification time in the future is no race: a write resets it)
+    racy = abs(time.time_ns() - st.st_mtime_ns) <= _RACY_NS
+    key = (load, path, os.path.abspath(path), st.st_ino, st.st_mtime_ns, st.st_size, extra)
+    hit = _READ_CACHE.get(key)
+    if hit is None:
+        try:
+            hit = True, load(path, *extra)
+        except ReaderError as e:
+            hit = False, e
+        if not racy:
+            if len(_READ_CACHE) >= _READ_CACHE_SIZE:
+                del _READ_CACHE[next(iter(_READ_CACHE))]    # (the oldest entry)
+            _READ_CACHE[key] = hit
+    ok, value = hit
+    if not ok:
+        raise value.with_traceback(None)    # (a fresh traceback: the one error object is raised per candidate)
+    return value

@@ -596,3 +596,45 @@ def test_per_layer_graphs_with_mtp_depths():
                                     "--heterogeneous-layers-config-path", BLOCKS], world_size=1)
         got[impl] = {t.name: t.bytes for t in estimate(L, gpu=lookup_gpu("H100")).stages[-1].terms}["cuda_graph_static_io"]
     assert got == {"transformer_engine": 4 * 1_048_576 + 4 * 131_072, "local": 6 * 1_048_576}
+
+
+def test_the_json_file_is_read_once_per_version_and_its_error_kept(tmp_path, monkeypatch):
+    # memguard plan resolves the config for every candidate layout (files.read_once): the 4-layer model of these tests
+    # on 64 GPUs read the JSON 12 times; one read per file version, its error (and a BOM's refusal) kept, and a
+    # changed file read again
+    from megatron_memguard import files
+    reads = []
+    real = files.read_bytes
+    monkeypatch.setattr(files, "read_bytes", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
+    old = 10**18    # (a modification time long before the read: not racy)
+    good = _write(tmp_path, lambda d: None)
+    os.utime(good, ns=(old, old))
+    assert _layout(path=good).heterogeneous_layers == _layout().heterogeneous_layers
+    _layout(path=good)
+    assert reads.count(good) == 1
+    key = "--heterogeneous-layers-config-path"
+    for text, rule in (("[" * 100 + "]" * 100, "nested deeper than 64 levels"), ("\ufeff{}", "UTF-8 byte-order mark")):
+        with open(good, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.utime(good, ns=(old + len(text), old + len(text)))
+        n = len(reads)
+        assert rule in _err(FLAGS + [key, good]) and rule in _err(FLAGS + [key, good])
+        assert len(reads) == n + 1
+
+
+def test_the_encoded_json_is_parsed_once_per_text_and_its_error_kept(monkeypatch):
+    # memguard plan resolves --heterogeneous-layers-config-encoded-json for every candidate layout: one parse per text
+    from megatron_memguard import files
+    parses = []
+    real = files.load_json
+    monkeypatch.setattr(files, "load_json", lambda t, *a, **k: parses.append(t) or real(t, *a, **k))
+    with open(BLOCKS) as fh:
+        text = json.dumps(json.load(fh)) + " " * 7      # (a text no other test gives: not parsed before)
+    key = "--heterogeneous-layers-config-encoded-json"
+    for _ in range(2):
+        layout_from_flags(FLAGS + [key, text], world_size=1)
+    assert parses == [text]
+    bad = "[" * 70 + "]" * 70
+    for _ in range(2):
+        assert "nested deeper than 64 levels" in _err(FLAGS + [key, bad])
+    assert parses == [text, bad]

@@ -122,20 +122,38 @@ def test_missing_yaml_is_an_error_naming_the_flag(tmp_path):
 
 def test_a_file_is_read_once_per_version_and_its_error_kept(tmp_path, monkeypatch):
     # memguard plan resolves the flag for every candidate: ci39's fuzz draw (20,000 nested brackets, 0.16 s a read)
-    # ran 3 minutes over 1,122 candidates; one read per file version, and a changed file is read again
+    # ran 3 minutes over 1,122 candidates; one read per file version (files.read_once), and a changed file is read again
+    import os
+
     from megatron_memguard import files
     reads = []
     real = files.read_text
     monkeypatch.setattr(files, "read_text", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
     bad = write(tmp_path, "[" * 200 + "\n")
+    os.utime(bad, ns=(10**18, 10**18))      # (written long before the read: not racy)
     for _ in range(3):
         with pytest.raises((ConfigError, ConfigErrors), match="--tp-comm-overlap-cfg: cannot read"):
             layout(tp_comm_overlap_cfg=bad)
     assert reads == [bad]
     (tmp_path / "ub.yaml").write_text("qkv_dgrad: {method: ring_exchange}\n" + "#" * 400)   # another size: another version
+    os.utime(bad, ns=(10**18, 10**18))      # (the same modification time: the size tells the versions apart)
     layout(tp_comm_overlap_cfg=bad)
     layout(tp_comm_overlap_cfg=bad)
     assert reads == [bad, bad]
+
+
+def test_a_file_changed_just_before_its_read_is_read_again(tmp_path, monkeypatch):
+    # a file modification time moves in clock ticks: a second write of the same size within the tick of a read would
+    # look like the same version, so a read within 50 ms of the last change is not kept (files._RACY_NS)
+    from megatron_memguard import files
+    reads = []
+    real = files.read_text
+    monkeypatch.setattr(files, "read_text", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
+    monkeypatch.setattr(files, "_RACY_NS", 10**18)    # (every read counts as just after a change)
+    ub = write(tmp_path, "qkv_dgrad: {method: ring_exchange}\n")
+    layout(tp_comm_overlap_cfg=ub)
+    layout(tp_comm_overlap_cfg=ub)
+    assert reads == [ub, ub]
 
 
 def test_term_is_device_level_only():

@@ -11,6 +11,7 @@ checked and builds uniform layers.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 from packaging.version import Version
@@ -27,6 +28,30 @@ def ffn_mult_to_size(ffn_mult: float, hidden_size: int) -> int:
     return n if n % 256 == 0 else n + 256 - n % 256
 
 
+def _load_json(text: str, where: str) -> Any:
+    from ..files import load_json
+    return load_json(text, where)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_encoded(text: str, where: str) -> tuple[bool, Any]:
+    """--heterogeneous-layers-config-encoded-json parsed once per text (plan resolves it for every candidate)."""
+    try:
+        return True, _load_json(text, where)
+    except ReaderError as e:
+        return False, e
+
+
+def _load_file(path: str, where: str) -> tuple[bool, Any]:
+    """(whether the file starts with a UTF-8 BOM, its JSON; None with a BOM, which is refused unparsed)."""
+    from ..files import decode, read_bytes
+    data = read_bytes(path)
+    text = decode(data, path)          # (drops a BOM, which Megatron's Path.read_text() keeps)
+    if data.startswith(b"\xef\xbb\xbf"):
+        return True, None
+    return False, _load_json(text, where)
+
+
 def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     path, encoded = a.get(PATH), a.get(ENCODED)
     if not path and not encoded:
@@ -36,19 +61,19 @@ def heterogeneous(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any
         if encoded:
             text = str(encoded)
             bom = text.startswith("\ufeff")
+            ok, doc = (True, None) if bom else _load_encoded(text, a.key(dest))
+            if not ok:
+                raise doc.with_traceback(None)
         else:
-            from ..files import decode, read_bytes
-            data = read_bytes(str(path))
-            text = decode(data, str(path))          # (drops a BOM, which Megatron's Path.read_text() keeps)
-            bom = data.startswith(b"\xef\xbb\xbf")
+            # once per file version (files.read_once): memguard plan resolves the config for every candidate layout
+            from ..files import read_once
+            bom, doc = read_once(_load_file, str(path), a.key(dest))
         if bom:
             # validate_model_config_args_from_heterogeneous_config (megatron-core 0.19.2 training/arguments.py):
             # json.loads(Path(path).read_text()) raises 'Unexpected UTF-8 BOM (decode using utf-8-sig)'
             a.fail(dest, "starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; save it as UTF-8 "
                          "without a BOM")
             return dict(heterogeneous_layers=None)
-        from ..files import load_json
-        doc = load_json(text, a.key(dest))
     except ReaderError as e:
         a.fail(dest, f"cannot be read ({e})")
         return dict(heterogeneous_layers=None)

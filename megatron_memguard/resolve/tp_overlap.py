@@ -10,7 +10,6 @@ keeps those three as ``"gemm.key=value"`` words (a frozen, JSON-friendly form); 
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 from ..errors import ReaderError
@@ -89,30 +88,9 @@ def tp_overlap(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     return dict(symmetric_ar_type=sym, tp_comm_overlap_cfg=_ub_cfg(a, kw))
 
 
-def _read_ub_file(path: str) -> Any:
-    """The userbuffer YAML, read once per file version: memguard plan resolves it for every candidate layout, and a
-    hostile file (20,000 nested brackets) took 0.16 s a read, 3 minutes over a plan's 1,122 candidates."""
-    import os
-    try:
-        st = os.stat(path)
-    except OSError:
-        st = None
-    if st is None:      # (read_text names the problem; nothing to cache)
-        from ..files import load_yaml, read_text
-        return load_yaml(read_text(path), path)
-    ok, value = _read_ub_cached(path, os.path.abspath(path), st.st_mtime_ns, st.st_size)
-    if not ok:
-        raise value
-    return value
-
-
-@functools.lru_cache(maxsize=8)
-def _read_ub_cached(path: str, where: str, mtime_ns: int, size: int) -> tuple[bool, Any]:
+def _load_ub_file(path: str) -> Any:
     from ..files import load_yaml, read_text
-    try:
-        return True, load_yaml(read_text(path), path)
-    except ReaderError as e:
-        return False, e
+    return load_yaml(read_text(path), path)
 
 
 def _ub_cfg(a: Args, kw: Mapping[str, Any]) -> tuple[str, ...]:
@@ -125,7 +103,9 @@ def _ub_cfg(a: Args, kw: Mapping[str, Any]) -> tuple[str, ...]:
     where = a.key("tp_comm_overlap_cfg")
     if isinstance(cfg, str):
         try:
-            doc = _read_ub_file(cfg)
+            # once per file version (files.read_once): memguard plan resolves it for every candidate layout
+            from ..files import read_once
+            doc = read_once(_load_ub_file, cfg)
         except ReaderError as e:
             a.fail("tp_comm_overlap_cfg", f"cannot read the userbuffer configuration: {e}",
                    "give the YAML file Megatron reads, or leave the flag out for Transformer Engine's defaults")
