@@ -51,6 +51,13 @@ def _bf16_dropped(L: Layout, x: Shapes, saved: Mapping[str, int], mla: bool, gat
     return dropped
 
 
+def _replayed_at(mixer: MixerActivations, core: int, replay: int) -> MixerActivations:
+    """core_attn recompute: the saved tensors do not change; the replay's quantized tensors join backward step
+    ``core`` (the core attention's)."""
+    return mixer._replace(bwd_steps=tuple((rel, w + replay if i == core else w)
+                                          for i, (rel, w) in enumerate(mixer.bwd_steps)))
+
+
 def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
     """The standard attention mixer (or, ``mla``, multi-latent attention's) of an FP8 layer with its core
     attention in FP8. Multi-latent attention goes through the same FusedAttnFunc path: one FP8 buffer of
@@ -84,8 +91,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
         # backward makes what the FP8 forward keeps (FP8 q, k, v, a second fp32 statistic, delayed: the FP8
         # output), alive through the core attention's backward with the FP8 output gradient (and FP8 dq/dk/dv)
         replay = qkv8 + x.b * x.a_t * x.s * 4 + out8 + (qkv8 + out8 if delayed else 0)
-        return mixer._replace(bwd_steps=tuple((rel, w + replay if i == core else w)
-                                              for i, (rel, w) in enumerate(mixer.bwd_steps)))
+        return _replayed_at(mixer, core, replay)
     dropped = _bf16_dropped(L, x, saved, mla, gated)
     new: dict[str, int] = {}
     for name, b in saved.items():
@@ -436,8 +442,7 @@ def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mi
     if "softmax_stats" not in saved:
         # core_attn recompute: the checkpoint keeps the BF16 q, k, v; the backward's replay makes the MXFP8 q, k,
         # v, alive through the core attention's backward with the MXFP8 output gradient
-        return mixer._replace(bwd_steps=tuple((rel, w + qkv8 + do8 if i == core else w)
-                                              for i, (rel, w) in enumerate(mixer.bwd_steps)))
+        return _replayed_at(mixer, core, qkv8 + do8)
     dropped = _bf16_dropped(L, x, saved, mla, gated)
     new: dict[str, int] = {}
     for name, b in saved.items():
