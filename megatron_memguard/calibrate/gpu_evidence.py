@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-from ..errors import ReaderError
-from ..gpus import GPUS, GpuSpec
+from ..errors import MemguardError, ReaderError
+from ..gpus import GPUS, GpuSpec, lookup_gpu
 from ..report.device_mentions import DeviceMention
 
 # nvidia-smi's board memory lies up to about 1% above the total_memory PyTorch reports (81559 MiB vs 79.11 GiB on H100
@@ -72,6 +72,51 @@ def from_mention(m: DeviceMention) -> Evidence:
 
 def from_capacity(capacity: int, file: str, line: int) -> Evidence:
     return Evidence.of(None, capacity, f"out-of-memory message: total capacity {capacity / 2**30:.2f} GiB ({file}:{line})")
+
+
+def jsonl_evidence(log: Any, path: str, decision: bool = True) -> list[Evidence]:
+    """What a run's JSONL says about its GPU: each rank's measured device (the ``start`` record's ``gpu_device``,
+    written since this version), else (``decision``) the GPU its pre-flight decision named (given by the user or
+    read from the device); one piece per distinct statement."""
+    seen: dict[tuple[Any, ...], Evidence] = {}
+    for r in log.ranks:
+        start = r.start or {}
+        dev = start.get("gpu_device") if isinstance(start.get("gpu_device"), dict) else None
+        name, total = (dev or {}).get("name"), _count((dev or {}).get("total_memory"))
+        if isinstance(name, str) or total:
+            key = ("device", name if isinstance(name, str) else None, total)
+            where = f"the JSONL's device of rank {r.rank}"
+            text = f"{where}: " + (f"'{name}'" if isinstance(name, str) else "") + \
+                (f" {total / 2**30:.2f} GiB" if total else "") + f" ({path})"
+            seen.setdefault(key, Evidence.of(key[1], total, text))
+    if seen or not decision:
+        return list(seen.values())
+    for r in log.ranks:
+        name = ((((r.start or {}).get("context") or {}).get("decision")) or {}).get("gpu")
+        if isinstance(name, str) and name:
+            try:
+                spec = lookup_gpu(name)
+            except MemguardError:
+                raise ReaderError(f"{path}: the JSONL's decision names GPU {name!r}, which this memguard does not "
+                                  "know; give --gpu") from None
+            seen.setdefault(("decision", spec.name), Evidence(f"the JSONL's pre-flight decision: {spec.name} ({path})",
+                                                               frozenset([spec.name]), spec.name))
+    return list(seen.values())
+
+
+def megatron_evidence(log: Any) -> list[Evidence]:
+    """What a Megatron run's log files say about its GPU: lines naming it, PyTorch's out-of-memory capacity (one
+    piece per distinct statement: nvidia-smi prints a row per GPU)."""
+    seen: dict[tuple[Any, ...], Evidence] = {}
+    for m in log.devices:
+        seen.setdefault((m.what, m.name, m.total_bytes), from_mention(m))
+    for ev in log.ooms:
+        seen.setdefault(("oom", ev.capacity), from_capacity(ev.capacity, ev.file, ev.line))
+    return list(seen.values())
+
+
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def _list(names: frozenset[str]) -> str:

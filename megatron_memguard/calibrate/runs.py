@@ -14,13 +14,13 @@ from typing import Any, Callable, Sequence
 
 from ..config import RawConfig
 from ..errors import MemguardError, ReaderError
-from ..gpus import GpuSpec, lookup_gpu
+from ..gpus import GpuSpec
 from ..layout import FLAT, FLAT_REQUIRED, Layout
 from ..report.megatron_log import MegatronLog, read_megatron_logs, skipped_memory_lines
 from ..report.megatron_run import rank_position, raw_from_log, tp_pp_dp_mapping
 from ..report.runlog import RankRun, read_run
 from ..resolve import resolve
-from .gpu_evidence import Evidence, Finding, from_capacity, from_mention, infer_gpu, settle
+from .gpu_evidence import Finding, infer_gpu, jsonl_evidence, megatron_evidence, settle
 from .model import CalibrationRun, Observation
 
 
@@ -80,47 +80,6 @@ def _jsonl_run(path: str, gpu: GpuSpec | None, layout_of: Callable[[], Layout] |
     if not obs:
         raise ReaderError(f"{path}: no rank with samples and a pipeline stage")
     return CalibrationRun(name=path, layout=layout, gpu=found.gpu, observations=obs, device=device, source=source), found
-
-
-def jsonl_evidence(log: Any, path: str, decision: bool = True) -> list[Evidence]:
-    """What a run's JSONL says about its GPU: each rank's measured device (the ``start`` record's ``gpu_device``,
-    written since this version), else (``decision``) the GPU its pre-flight decision named (given by the user or
-    read from the device); one piece per distinct statement."""
-    seen: dict[tuple[Any, ...], Evidence] = {}
-    for r in log.ranks:
-        start = r.start or {}
-        dev = start.get("gpu_device") if isinstance(start.get("gpu_device"), dict) else None
-        name, total = (dev or {}).get("name"), _int((dev or {}).get("total_memory"))
-        if isinstance(name, str) or total:
-            key = ("device", name if isinstance(name, str) else None, total)
-            where = f"the JSONL's device of rank {r.rank}"
-            text = f"{where}: " + (f"'{name}'" if isinstance(name, str) else "") + \
-                (f" {total / 2**30:.2f} GiB" if total else "") + f" ({path})"
-            seen.setdefault(key, Evidence.of(key[1], total, text))
-    if seen or not decision:
-        return list(seen.values())
-    for r in log.ranks:
-        name = ((((r.start or {}).get("context") or {}).get("decision")) or {}).get("gpu")
-        if isinstance(name, str) and name:
-            try:
-                spec = lookup_gpu(name)
-            except MemguardError:
-                raise ReaderError(f"{path}: the JSONL's decision names GPU {name!r}, which this memguard does not "
-                                  "know; give --gpu") from None
-            seen.setdefault(("decision", spec.name), Evidence(f"the JSONL's pre-flight decision: {spec.name} ({path})",
-                                                               frozenset([spec.name]), spec.name))
-    return list(seen.values())
-
-
-def megatron_evidence(log: MegatronLog) -> list[Evidence]:
-    """What a Megatron run's log files say about its GPU: lines naming it, PyTorch's out-of-memory capacity (one
-    piece per distinct statement: nvidia-smi prints a row per GPU)."""
-    seen: dict[tuple[Any, ...], Evidence] = {}
-    for m in log.devices:
-        seen.setdefault((m.what, m.name, m.total_bytes), from_mention(m))
-    for ev in log.ooms:
-        seen.setdefault(("oom", ev.capacity), from_capacity(ev.capacity, ev.file, ev.line))
-    return list(seen.values())
 
 
 def _int(v: Any) -> int | None:

@@ -138,7 +138,7 @@ def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> t
     log.notes.append(why)
     layout = resolve(raw, world_size=resolve_world(ns) or raw.world_size, megatron_version=version,
                      vocab_size=ns.vocab_size)
-    from ..calibrate.runs import megatron_evidence
+    from ..calibrate.gpu_evidence import megatron_evidence
     gpu, mem, found = (run_gpu(ns, megatron_evidence(log), ", ".join(ns.logdir)) if ns.device == "gpu"
                        else (*target_gpu(ns), ""))
     if found:
@@ -248,8 +248,7 @@ def _jsonl_gpu(ns: argparse.Namespace, log: Any) -> list[str]:
     """Notes on the GPU of a run read from memguard's JSONL, whose predictions were made on the device the hook
     saw: the measured device of its start records (``gpu_device``) against --gpu (an error naming the file when
     they disagree) and against the GPU the recorded predictions assumed (a note when they differ)."""
-    from ..calibrate.gpu_evidence import infer_gpu
-    from ..calibrate.runs import jsonl_evidence
+    from ..calibrate.gpu_evidence import infer_gpu, jsonl_evidence
 
     from ..errors import MemguardError
     from ..gpus import lookup_gpu
