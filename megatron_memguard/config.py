@@ -20,6 +20,8 @@ MEMORY_ENV_VARS = (
     "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCH_NCCL_AVOID_RECORD_STREAMS", "CUDA_DEVICE_MAX_CONNECTIONS",
     "NVTE_CUTEDSL_FUSED_GROUPED_MLP",   # whether the experts may take TE's fused grouped MLP (resolve/moe.py)
     "FP4_RECIPE",   # TEFusedMLPWithGroupedLinear's NVFP4 autocast (resolve/kernels.py grouped_dense_mlp)
+    "NVTE_DPA_FP8_RECIPE",   # the recipe FP8 attention runs in (estimator/te_release.py attention_recipe)
+    "MEMGUARD_TE_VERSION",   # the run's Transformer Engine release (estimator/te_release.py)
 )
 
 

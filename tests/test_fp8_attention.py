@@ -32,24 +32,33 @@ QKV_W = (A_T + 2 * G_T) * D  # 3072
 CTX = A_T * D                # 2048
 
 
-def lay(*extra, version=None, **config):
-    raw = parse_megatron_flags(BASE + list(extra))
+def lay(*extra, version=None, env=None, **config):
+    raw = parse_megatron_flags(BASE + list(extra), env=env)
     raw.args.update(config)
     return resolve(raw, world_size=16, megatron_version=version)
 
 
+# the FP8 kernel's fp32 softmax statistics per (token, head): M and ZInv up to TE 2.14.1 (cpp_extensions/fused_attn.py
+# "aux_ctx_tensors = [M, ZInv, rng_state]"), one from TE 2.15.0 ("ZInv ... only allocated for T3HD path";
+# context_parallel.py "softmax_lse_per_step, rng_states = aux_ctx_tensors"); megatron-core 0.19 runs TE 2.20.2 unless
+# MEMGUARD_TE_VERSION says otherwise
+TE_STATS = [(None, 1), ("2.14.1", 2), ("2.15.0", 1)]
+
+
+@pytest.mark.parametrize("te,n_stats", TE_STATS)
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
-def test_saved_tensors_by_hand(recipe):
+def test_saved_tensors_by_hand(recipe, te, n_stats):
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
-    bf16_att = layer_activations(lay(*fp8)).saved
-    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    env = {"MEMGUARD_TE_VERSION": te} if te else None
+    bf16_att = layer_activations(lay(*fp8, env=env)).saved
+    got = layer_activations(lay(*fp8, env=env, fp8_dot_product_attention=True)).saved
     # the BF16 q, k, v the attention kept are gone: the qkv output (v is its view) and the rope'd q and k
     for name in ("qkv_output", "query_rope", "key_rope"):
         assert name in bf16_att and name not in got
     # one Float8Tensor [Tf, (a + 2 g) d] (1 B/elem) + its fp32 scale-inverse (one 512-byte allocator block)
     assert got["fp8_attention_qkv"] == TF * QKV_W + 512
-    # M and ZInv: two fp32 [b, a, s, 1] instead of BF16 attention's one
-    assert got["softmax_stats"] == 2 * 1 * A_T * 8192 * 4 == 2 * bf16_att["softmax_stats"]
+    # M and ZInv (TE <= 2.14): two fp32 [b, a, s, 1] instead of BF16 attention's one; TE >= 2.15: one
+    assert got["softmax_stats"] == n_stats * 1 * A_T * 8192 * 4 == n_stats * bf16_att["softmax_stats"]
     # delayed: the FP8 output is what the attention keeps; tensorwise keeps the BF16 output
     assert got["proj_input"] == (TF * CTX + 512 if recipe == "delayed" else 2 * TF * CTX)
     # linear_proj's own quantized copy (delayed only: other recipes keep the BF16 output it reads, the tensor the
@@ -60,7 +69,8 @@ def test_saved_tensors_by_hand(recipe):
         assert got.get(name) == bf16_att.get(name)
     # net per layer: -(2 * 3072 + 2 * 2048 + 2 * 512) * Tf BF16 (qkv output 3072 wide, q 2048, k 512)
     saved_bf16 = 2 * TF * (QKV_W + CTX + G_T * D)
-    delta = TF * QKV_W + 512 + A_T * 8192 * 4 - saved_bf16 - (TF * CTX - 512 if recipe == "delayed" else 0)
+    delta = (TF * QKV_W + 512 + (n_stats - 1) * A_T * 8192 * 4 - saved_bf16
+             - (TF * CTX - 512 if recipe == "delayed" else 0))
     assert sum(got.values()) - sum(bf16_att.values()) == delta
 
 
@@ -128,18 +138,22 @@ def test_output_gate_keeps_the_bf16_output(recipe):
     assert "fp8_attention_output" in f.bwd_steps[3][0] and "fp8_attention_output" not in f.bwd_steps[2][0]
 
 
-def test_recompute_core_attention_keeps_the_checkpoint_inputs():
+@pytest.mark.parametrize("te,n_stats", TE_STATS)
+def test_recompute_core_attention_keeps_the_checkpoint_inputs(te, n_stats):
     args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--recompute-granularity", "selective",
             "--recompute-modules", "core_attn"]
-    assert layer_activations(lay(*args, fp8_dot_product_attention=True)).saved == layer_activations(lay(*args)).saved
-    # the replay in the backward: FP8 q/k/v, the second fp32 statistic [b, a, s], the FP8 output, dO in FP8
-    # and FP8 dq/dk/dv, at the core attention's step only
+    env = {"MEMGUARD_TE_VERSION": te} if te else None
+    assert layer_activations(lay(*args, env=env, fp8_dot_product_attention=True)).saved == layer_activations(
+        lay(*args, env=env)).saved
+    # the replay in the backward: FP8 q/k/v, the second fp32 statistic [b, a, s] (TE <= 2.14), the FP8 output, dO
+    # in FP8 and FP8 dq/dk/dv, at the core attention's step only
     from megatron_memguard.estimator.layers.attention import activations as attention
     from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
-    L = lay(*args, fp8_dot_product_attention=True)
+    L = lay(*args, env=env, fp8_dot_product_attention=True)
     m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
     f = fp8_attention(L, m)
-    replay = (TF * QKV_W + 512) + A_T * 8192 * 4 + (TF * CTX + 512) + (TF * QKV_W + 512) + (TF * CTX + 512)
+    replay = ((TF * QKV_W + 512) + (n_stats - 1) * A_T * 8192 * 4 + (TF * CTX + 512) + (TF * QKV_W + 512)
+              + (TF * CTX + 512))
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, replay, 0, 0]
     assert f.saved == m.saved and f.fwd_steps == m.fwd_steps
 
@@ -376,19 +390,21 @@ def test_a2a_peak_by_hand():
     assert a2a_peak((4, 1, 1), False) == 15
 
 
+@pytest.mark.parametrize("te,n_stats", TE_STATS)
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
-def test_a2a_attention_saved_by_hand(recipe):
+def test_a2a_attention_saved_by_hand(recipe, te, n_stats):
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
-    bf16_att = layer_activations(lay(*fp8)).saved
-    got = layer_activations(lay(*fp8, fp8_dot_product_attention=True)).saved
+    env = {"MEMGUARD_TE_VERSION": te} if te else None
+    bf16_att = layer_activations(lay(*fp8, env=env)).saved
+    got = layer_activations(lay(*fp8, env=env, fp8_dot_product_attention=True)).saved
     # ctx.fp8 saves the exchanged FP8 q, k, v (three tensors, the one buffer's scale shared) instead of the BF16 ones
     # (BF16 a2a: cp_a2a_qkv, 2 W bytes; layers/cp_attention.py); no ring buffer, no rope'd q in either
     assert bf16_att["cp_a2a_qkv"] == 2 * W and "cp_a2a_qkv" not in got
     for name in ("query_rope", "cp_kv_buffer"):
         assert name not in bf16_att and name not in got
     assert got["fp8_attention_qkv"] == Q + 2 * K + 512 == W + 512
-    # the FP8 kernel's M and ZInv, fp32 [b, a/CP, s] each = 1 x 16 x 4096 x 4 bytes per statistic
-    assert got["softmax_stats"] == 2 * STATS == 2 * 1 * A_T * TC * 4
+    # the FP8 kernel's M and ZInv (TE <= 2.14; one from 2.15), fp32 [b, a/CP, s] each = 1 x 16 x 4096 x 4 bytes
+    assert got["softmax_stats"] == n_stats * STATS == n_stats * 1 * A_T * TC * 4
     if recipe == "delayed":
         # out_part: the kernel's FP8 output before its all-to-all (the BF16 one returned is linear_proj's to quantize)
         assert got["proj_input"] == Q + 512 and "cp_a2a_attention_output" not in got
@@ -397,10 +413,10 @@ def test_a2a_attention_saved_by_hand(recipe):
         assert got["proj_input"] == bf16_att["proj_input"] == 2 * Q and got["cp_a2a_attention_output"] == 2 * Q
     delta = sum(got.values()) - sum(bf16_att.values())
     # against the BF16 a2a (exchanged BF16 q, k, v 2 W, one statistic, its BF16 output before the exchange 2 Q next
-    # to linear_proj's): W + 512 instead of 2 W, one statistic more, and delayed the FP8 output (Q + 512) in place
-    # of the BF16 one (the exchanged BF16 output is kept by no one: linear_proj keeps its quantized copy,
+    # to linear_proj's): W + 512 instead of 2 W, one statistic more (TE <= 2.14), and delayed the FP8 output (Q + 512)
+    # in place of the BF16 one (the exchanged BF16 output is kept by no one: linear_proj keeps its quantized copy,
     # fp8_proj_input, in both), tensorwise the same second BF16 output
-    base = W + 512 - 2 * W + STATS
+    base = W + 512 - 2 * W + (n_stats - 1) * STATS
     assert delta == (base + Q + 512 - 2 * Q if recipe == "delayed" else base)
     # proj_input is the attention's (FP8) output under delayed scaling, linear_proj's alone under tensorwise (what
     # offloading's groups and PEFT's frozen linear_proj read)
@@ -454,7 +470,7 @@ def test_a2a_estimate_moves_by_the_layers_saved_bytes(recipe):
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
     t_off = {t.name: t.bytes for t in estimate(lay(*fp8), gpu=gpu).stages[0].terms}
     t_on = {t.name: t.bytes for t in estimate(lay(*fp8, fp8_dot_product_attention=True), gpu=gpu).stages[0].terms}
-    base = W + 512 - 2 * W + STATS
+    base = W + 512 - 2 * W               # one statistic, as BF16 attention's (TE 2.20.2)
     per_layer = base + Q + 512 - 2 * Q if recipe == "delayed" else base
     assert t_on["layer_activations"] - t_off["layer_activations"] == 16 * 2 * per_layer
 
@@ -470,7 +486,7 @@ def test_a2a_attention_with_core_attention_recompute():
     L = lay(*args, fp8_dot_product_attention=True)
     m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
     f = fp8_attention(L, m)
-    kept = (W + 512) + 2 * STATS + (Q + 512) + 2 * Q
+    kept = (W + 512) + STATS + (Q + 512) + 2 * Q     # one statistic (TE 2.20.2)
     bwd = 2 * Q + Q + 512 + Q + 3 * W + 2 * W
     bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - bf16, 0, 0]
@@ -486,8 +502,9 @@ MLA = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "1
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_multi_latent_attention_by_hand(recipe):
+    n_stats = 1     # the TE 2.20.2 kernel's one statistic (megatron-core 0.19)
     # MLASelfAttention hands TE contiguous query, key [s b, a/t, 64 + 32] and value [s b, a/t, 64]; FusedAttnFunc
-    # (TE 2.11) keeps one FP8 buffer of all three (combine_and_quantize, sbhd_sbhd_sbhd), M and ZInv, and the
+    # (TE 2.11 / 2.20.2) keeps one FP8 buffer of all three (combine_and_quantize, sbhd_sbhd_sbhd), its statistic(s), the
     # output (FP8 under delayed scaling) of v's width
     def mla(*extra, world_size=2, **config):
         raw = parse_megatron_flags(MLA + ["--fp8-recipe", recipe] + list(extra))
@@ -501,7 +518,7 @@ def test_multi_latent_attention_by_hand(recipe):
     assert bf16_att["query"] == bf16_att["key"] == 2 * tf * a_t * 96 and bf16_att["value"] == 2 * tf * a_t * 64
     assert not {"query", "key", "value"} & set(got)
     assert got["fp8_attention_qkv"] == tf * a_t * (96 + 96 + 64) + 512
-    assert got["softmax_stats"] == 2 * bf16_att["softmax_stats"] == 2 * a_t * tf * 4
+    assert got["softmax_stats"] == n_stats * bf16_att["softmax_stats"] == n_stats * a_t * tf * 4
     assert got["proj_input"] == (tf * a_t * 64 + 512 if recipe == "delayed" else 2 * tf * a_t * 64)
     # the planner's lower bound counts q, k, v and the output at 1 B/elem (and the norm output [T, h] BF16): below
     # what the layer keeps

@@ -31,7 +31,7 @@ from ..time_constants import MAX_NETWORK_GBPS, MIN_EFFICIENCY, MIN_NETWORK_GBPS 
 DEFAULT_TOP = 5
 MAX_TOP = 50
 DEFAULT_PLOT_LAYOUTS = 200
-_MEMORY_ENV = ("CUBLAS_", "NCCL_", "CUDA_", "NVTE_", "PYTORCH_", "TORCH_")
+_MEMORY_ENV = ("CUBLAS_", "NCCL_", "CUDA_", "NVTE_", "PYTORCH_", "TORCH_", "MEMGUARD_TE_VERSION")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -208,7 +208,8 @@ def make_planner(ns: argparse.Namespace, flags: list[str]) -> Planner:
     raw = load_raw(ns, flags)  # --model, --config and/or flags
     if raw.problems:  # the config breaks a rule of its own format, refused as estimate and check refuse it
         raise ConfigErrors(list(raw.problems))
-    # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings):
+    # Keep only the environment that changes memory (cuBLAS / NCCL / CUDA / TE / PyTorch allocator settings, the TE
+    # release):
     # the rest of the shell's environment has no business in the layouts the planner prints.
     raw = dataclasses.replace(raw, env={k: v for k, v in raw.env.items() if k.startswith(_MEMORY_ENV)})
     world = resolve_world(ns) or raw.world_size or (

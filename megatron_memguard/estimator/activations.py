@@ -38,6 +38,7 @@ from .layers.base import norm_stats as _norm_stats
 from .layers.base import selective_modules
 from .layers.base import wgrad as _wgrad  # noqa: F401
 from .layers.mla import mla_attention_items  # noqa: F401
+from .te_release import attention_recipe
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     rel_norm2 = rel_fc1 | {"mlp_norm_input", "norm2_stats", "dropout_masks"}
     mixer = mixer_recipe(kind).activations(L, mods, has_batch_mask, drop_norm, after, rel_norm2, G)
     fp8_done = False
-    if kind.quantized in ("delayed", "tensorwise", "mxfp8") and L.fp8_spec.fp8_dot_product_attention:
+    if kind.quantized and L.fp8_spec.fp8_dot_product_attention and attention_recipe(
+            kind.quantized, L.env_dict, L.megatron_version) in ("delayed", "tensorwise", "mxfp8"):
         from ..partition import MIXER_ATTENTION, MIXER_MLA
         if kind.mixer in (MIXER_ATTENTION, MIXER_MLA) and attention_kind(L) == "fused":
             # the core attention in FP8 (TE FusedAttention, MXFP8 under TE 2.20.2, or its p2p ring under CP;

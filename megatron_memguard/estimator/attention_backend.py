@@ -88,9 +88,10 @@ class AttentionBackend:
 
 
 def _te_211(L: Layout) -> bool:
-    """megatron-core before 0.17 runs TE up to 2.11 (its pin); later releases TE 2.20.2."""
-    from packaging.version import Version
-    return Version(L.megatron_version) < Version("0.17")
+    """The run's TE (estimator/te_release.py: core 0.16 pins it below 2.12, later cores are read with 2.20.2)
+    is read with TE 2.11's backend rules up to 2.11, with 2.20.2's from 2.12 (the releases between were not read)."""
+    from .te_release import BACKEND_RULES_2202_SINCE, te_at_least
+    return not te_at_least(L.env_dict, L.megatron_version, BACKEND_RULES_2202_SINCE)
 
 
 def _deterministic(L: Layout) -> bool:

@@ -11,6 +11,8 @@ from packaging.version import Version
 
 from ..errors import NO_TE_BACKEND, NotModelledError
 from ..numbers import shown
+from ..estimator.te_release import (DPA_RECIPE_VAR, ONE_SOFTMAX_STAT_SINCE, TE_VERSION_VAR, attention_recipe,
+                                    dpa_recipe_problem, te_at_least, te_version_text)
 from .args import Args, Context
 from .shape import CP_COMM_TYPES
 
@@ -139,11 +141,23 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
         a.notes.append(f"{key}: no effect with the {recipe} recipe (megatron-core {ctx.version} builds that recipe without "
                        "fp8_dpa): attention is estimated in BF16")
         return False
+    recipe = _switched_recipe(a, key, recipe, ctx)
+    if recipe is None:
+        return False
+    te = te_version_text(a.raw.env, str(ctx.version))
     if recipe == "nvfp4":
         # TE 2.20.2 get_attention_backend (utils.py 792-794): "Disabling FusedAttention for NVFP4BlockScaling"; with
         # fp8_dpa FlashAttention and the unfused backend are off too (718-744): no backend
         a.fail(dest, "is not supported with the nvfp4 recipe (Transformer Engine 2.20.2 has no attention backend for "
-                     "FP8 attention under NVFP4BlockScaling)")
+                     "FP8 attention under NVFP4BlockScaling)",
+               f"set {DPA_RECIPE_VAR} to DelayedScaling, Float8CurrentScaling or MXFP8BlockScaling to run the "
+               "attention in that recipe, or F16")
+        return False
+    if recipe == "mxfp8" and not te_at_least(a.raw.env, str(ctx.version), ONE_SOFTMAX_STAT_SINCE):
+        # MXFP8 attention (combine_and_quantize's MXFP8 path, the MXFP8 fused kernel) first ships in TE 2.15.0
+        a.fail(dest, f"needs Transformer Engine 2.15 or later under the mxfp8 recipe (Transformer Engine {te} has no "
+                     "MXFP8 attention)", f"set {DPA_RECIPE_VAR}=Float8CurrentScaling or DelayedScaling, or "
+                     f"{TE_VERSION_VAR} to the release the run has")
         return False
     if mha:
         # fp8_mha reaches TE only in the delayed recipe object. TE 2.11 DotProductAttention.forward forces fp8_dpa
@@ -205,6 +219,33 @@ def _dot_product_attention(a: Args, kw: Mapping[str, Any], ctx: Context, v: dict
                        "9.14 or later (Transformer Engine 2.11); it keeps the attention output in BF16 "
                        "(NVTE_DPA_FP8CS_O_in_F16, default 1)")
     return True
+
+
+_RECIPE_NAMES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling",
+                 "nvfp4": "NVFP4BlockScaling"}
+
+
+def _switched_recipe(a: Args, key: str, recipe: str, ctx: Context) -> str | None:
+    """The recipe the core attention runs in under ``NVTE_DPA_FP8_RECIPE`` (estimator/te_release.py
+    ``attention_recipe``: TE 2.11 / 2.20.2 ``DotProductAttention.init_fp8_metadata``), None for BF16 attention
+    (``F16``), with a note when the variable acts or does nothing. A bad value is runtime's error (resolve/runtime.py)
+    and acts as unset here."""
+    env = a.raw.env
+    value = str(env.get(DPA_RECIPE_VAR, ""))
+    if not value or dpa_recipe_problem(value):
+        return recipe
+    switched = attention_recipe(recipe, env, str(ctx.version))
+    if switched is None:
+        a.notes.append(f"{key}: {DPA_RECIPE_VAR}=F16 turns FP8 attention off (Transformer Engine clears fp8_dpa): "
+                       "attention is estimated in BF16")
+    elif switched != recipe:
+        a.notes.append(f"{key}: {DPA_RECIPE_VAR}={value}: the core attention runs in {_RECIPE_NAMES[switched]} "
+                       f"next to the {recipe} linear layers (estimated as FP8 attention under {switched})")
+    elif value != _RECIPE_NAMES.get(recipe):
+        te = te_version_text(env, str(ctx.version))
+        a.notes.append(f"{key}: {DPA_RECIPE_VAR}={value} does not switch the {recipe} recipe under Transformer Engine "
+                       f"{te} (no such branch in DotProductAttention.init_fp8_metadata): attention stays {recipe}")
+    return switched
 
 
 def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bool:

@@ -18,7 +18,9 @@ def runtime(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.fail("deterministic_mode", f"needs CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, got {cublas!r}")
     checkpoint_saving(a, ctx)
     from ..estimator.overheads import env_size_problems
-    for var, rule in env_size_problems({str(k): str(v) for k, v in a.raw.env.items()}):
+    from ..estimator.te_release import te_env_problems
+    env = {str(k): str(v) for k, v in a.raw.env.items()}
+    for var, rule in env_size_problems(env) + te_env_problems(env):
         # (a variable of the job's environment: the error names it, as it names a flag)
         a.errors.append(ConfigError(var, rule))
     hidden_dropout = a.float_arg("hidden_dropout", 0.1)

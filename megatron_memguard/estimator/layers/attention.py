@@ -119,11 +119,18 @@ def te_torch_softmax_mask(L: Layout, x: Shapes, has_batch_mask: bool) -> int:
 
 
 def _te_keeps_every_cp_step(L: Layout) -> bool:
-    """Transformer Engine up to 2.11 (megatron-core 0.16 pins TE < 2.12) keeps every ring step's K/V
-    buffer and partial output until the forward's end; TE 2.20.2 keeps two of each (double buffering).
-    Later megatron-core versions are assumed to run the newer TE."""
-    from packaging.version import Version
-    return Version(L.megatron_version) < Version("0.17")
+    """Transformer Engine up to 2.19 keeps every ring step's K/V buffer and partial output until the forward's
+    end; TE 2.20 keeps two of each (double buffering). The run's TE: estimator/te_release.py (core 0.16: 2.11)."""
+    from ..te_release import RING_TWO_BUFFERS_SINCE, te_at_least
+    return not te_at_least(L.env_dict, L.megatron_version, RING_TWO_BUFFERS_SINCE)
+
+
+def _te_ring_out_part(L: Layout) -> bool:
+    """TE 2.15 and later: the CP ring casts its fp32 output to a BF16 ``out_part`` (saved under a2a+p2p and FP8
+    tensorwise) and its two-level backward exchanges dO alone; up to 2.14.1 it saves the returned output and
+    exchanges [out, dout]."""
+    from ..te_release import RING_OUT_PART_SINCE, te_at_least
+    return te_at_least(L.env_dict, L.megatron_version, RING_OUT_PART_SINCE)
 
 
 def _cp_attention_items(L: Layout, x: Shapes, saved: dict[str, int], q: int, kv1: int, qkv_w: int,

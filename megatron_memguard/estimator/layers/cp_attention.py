@@ -68,7 +68,7 @@ def a2a_peak(sizes: tuple[int, ...], before_attn: bool) -> int:
 def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     """The BF16 attention mixer of a layer whose CP attention runs an all-to-all (``L.cp_a2a_size`` > 1), from the
     p2p ring's mixer ``mixer`` (fused or flash backend; with or without ``core_attn`` recompute)."""
-    from .attention import _cp_attention_items, _gated, _te_keeps_every_cp_step, qkv_out_per_rank
+    from .attention import _cp_attention_items, _gated, _te_ring_out_part, qkv_out_per_rank
     x = shapes(L)
     e = x.e
     Q = x.Tf * x.a_t * x.d * e
@@ -80,13 +80,12 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     a2a = L.cp_a2a_size
     two_level = a2a < L.cp
     ring = L.cp // a2a
-    te211 = _te_keeps_every_cp_step(L)
     _, ring_fwd, ring_bwd, _ = _cp_attention_items(L, x, {}, Q, K, qkv_out_per_rank(L), rope, ring)
     core = 2 if _gated(L) == 2 else 1                  # the core attention's backward step
     qkv_in = a2a_peak((Q, K, K), True)                 # Megatron's q, k, v exchanged (the results included)
     out_a2a = a2a_peak((Q,), False)                    # the output exchanged back (the result included)
-    # the output saved before its exchange, apart from linear_proj's: a2a, and TE 2.20.2's two-level path
-    out_part = not two_level or not te211
+    # the output saved before its exchange, apart from linear_proj's: a2a, and TE >= 2.15's two-level path
+    out_part = not two_level or _te_ring_out_part(L)
     if not two_level:
         # backward: dO handed in; its exchange; the kernel's dq, dk, dv (with the exchanged dO) and their exchange
         bwd = Q + max(a2a_peak((Q,), True), Q + W + a2a_peak((Q, K, K), False))

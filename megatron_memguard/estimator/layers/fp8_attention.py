@@ -9,7 +9,11 @@ Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`
 * q, k, v are concatenated (a BF16 copy) and quantized as one Float8Tensor [tokens, (a + 2 g) d]; the
   forward saves that FP8 copy instead of the BF16 q, k, v: the rope'd q and k and the qkv output (whose view
   v is) are no longer kept by the attention (the qk norms keep the qkv output with ``--qk-layernorm``).
-* The FP8 kernel returns two fp32 softmax statistics per (token, head): M and ZInv (BF16 attention: one).
+* The FP8 kernel returns fp32 softmax statistics per (token, head): two up to TE 2.14.1 (M and ZInv), one from
+  2.15.0 as BF16 attention (estimator/te_release.py ``fp8_softmax_stats``; the run's TE: core 0.16 2.11, later
+  cores 2.20.2, or ``MEMGUARD_TE_VERSION``).
+* The recipe is the attention's (``attention_recipe``): the layer's, or the one ``NVTE_DPA_FP8_RECIPE`` switches
+  to (TE ``DotProductAttention.init_fp8_metadata``).
 * delayed: the output comes out in FP8; it is saved (1 B/elem) and dequantized into the BF16 tensor
   linear_proj reads, which nothing keeps (linear_proj keeps its own quantized copy, ``fp8_proj_input``).
   tensorwise (``NVTE_DPA_FP8CS_O_in_F16=1``, TE's default): the output stays BF16 and is saved as such.
@@ -31,8 +35,14 @@ from typing import Mapping
 from ...layout import Layout
 from ..fp8 import _alloc, quantized_tensor
 from .attention import _gated
+from ..te_release import attention_recipe, fp8_softmax_stats
 from .base import MixerActivations, Shapes, shapes
 from .cp_attention import a2a_peak
+
+def dpa_recipe(L: Layout) -> str | None:
+    """The recipe the core attention runs in: the layer's, or the one NVTE_DPA_FP8_RECIPE switches to."""
+    return attention_recipe(L.fp8_spec.recipe, L.env_dict, L.megatron_version)
+
 
 # the BF16 tensors of q, k, v that only the core attention kept
 _BF16_INPUTS = ("query_rope", "key_rope", "query_norm", "key_norm")
@@ -69,12 +79,13 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
         return fp8_ring_attention(L, mixer, a2a)
-    if L.fp8_spec.recipe == "mxfp8":
+    recipe = dpa_recipe(L)
+    if recipe == "mxfp8":
         return mxfp8_attention(L, mixer, mla)
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d = x.e, x.Tf, x.d
-    recipe = L.fp8_spec.recipe
+    n_stats = fp8_softmax_stats(L.env_dict, L.megatron_version)
     if mla:
         width = x.a_t * (2 * (L.qk_head_dim + L.qk_pos_emb_head_dim) + L.v_head_dim)
         ctx_w = x.a_t * L.v_head_dim
@@ -88,9 +99,10 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     core = 2 if gated else 1                           # the core attention's backward step
     if "softmax_stats" not in saved:
         # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its replay in the
-        # backward makes what the FP8 forward keeps (FP8 q, k, v, a second fp32 statistic, delayed: the FP8
-        # output), alive through the core attention's backward with the FP8 output gradient (and FP8 dq/dk/dv)
-        replay = qkv8 + x.b * x.a_t * x.s * 4 + out8 + (qkv8 + out8 if delayed else 0)
+        # backward makes what the FP8 forward keeps (FP8 q, k, v, a second fp32 statistic up to TE 2.14, delayed:
+        # the FP8 output), alive through the core attention's backward with the FP8 output gradient (and FP8
+        # dq/dk/dv)
+        replay = qkv8 + (n_stats - 1) * x.b * x.a_t * x.s * 4 + out8 + (qkv8 + out8 if delayed else 0)
         return _replayed_at(mixer, core, replay)
     dropped = _bf16_dropped(L, x, saved, mla, gated)
     new: dict[str, int] = {}
@@ -99,7 +111,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
             continue
         if name == "softmax_stats":
             new["fp8_attention_qkv"] = qkv8
-            b = 2 * x.b * x.a_t * x.s * 4              # M and ZInv, fp32 [b, a, s, 1] each
+            b = n_stats * x.b * x.a_t * x.s * 4        # M and ZInv (TE <= 2.14), or one; fp32 [b, a, s, 1]
         elif name == "proj_input" and delayed:
             if gated:
                 new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
@@ -169,11 +181,11 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
     saved under tensorwise (``NVTE_DPA_FP8CS_O_in_F16``: ``f16_tensors = (None, None, out_f16)`` with ``out_f16 =
     out_part``; ``cp_a2a_attention_output``, next to the BF16 output linear_proj reads), and its backward
     quantizes dO first and exchanges only dO's FP8 bytes (the saved output is in the ring's layout already)."""
-    from .attention import _cp_attention_items, _te_keeps_every_cp_step, qkv_out_per_rank
+    from .attention import _cp_attention_items, _te_keeps_every_cp_step, _te_ring_out_part, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d, cp = x.e, x.Tf, x.d, L.cp // a2a         # cp: the ring's ranks
-    recipe = L.fp8_spec.recipe
+    recipe = dpa_recipe(L)
     delayed = recipe == "delayed"
     gated = _gated(L) == 2
     core = 2 if gated else 1                           # the core attention's backward step
@@ -193,7 +205,7 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
     # the one saved under tensorwise (NVTE_DPA_FP8CS_O_in_F16), next to the returned one linear_proj keeps; under
     # delayed scaling (the FP8 output saved) it is a forward transient. TE 2.11 saves the returned out_f16 itself.
     # The backward exchanges dO only (the saved output is in the ring's layout already)
-    out_part = not te211
+    out_part = _te_ring_out_part(L)                   # TE >= 2.15
     part_saved = out_part and not delayed
     combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
     # a2a+p2p: the exchanged BF16 q, k, v combine_and_quantize reads; the exchanged q kept to the forward's end
@@ -309,8 +321,9 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d = x.e, x.Tf, x.d
-    recipe = L.fp8_spec.recipe
+    recipe = dpa_recipe(L)
     delayed = recipe == "delayed"
+    n_stats = fp8_softmax_stats(L.env_dict, L.megatron_version)
     gated = _gated(L) == 2
     core = 2 if gated else 1                           # the core attention's backward step
     Q = Tf * x.a_t * d                                 # q (and the output) elements: the same before and after
@@ -345,9 +358,10 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); its no-grad forward
         # makes the transients, and the backward's replay keeps the saved tensors (and the BF16 output it returns)
         # through the attention's backward
-        kept = fp8_qkv + 2 * stats + saved_out + e * Q
+        kept = fp8_qkv + n_stats * stats + saved_out + e * Q
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
-        fwd = ((names, kv1 + combine), (names, kv1 + max(qkv_a2a, qkv8 + fp8_qkv + 2 * stats + saved_out + out_a2a)))
+        fwd = ((names, kv1 + combine),
+               (names, kv1 + max(qkv_a2a, qkv8 + fp8_qkv + n_stats * stats + saved_out + out_a2a)))
         bwd = tuple((rel, w + kept + a2a_bwd - bf16 if i == core else w)
                     for i, (rel, w) in enumerate(mixer.bwd_steps))
         return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
@@ -360,7 +374,7 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
             new["fp8_attention_qkv"] = fp8_qkv         # in place of the ring's K/V buffer: no ring here
             continue
         if name == "softmax_stats":
-            b = 2 * stats                              # M and ZInv
+            b = n_stats * stats                        # M and ZInv (TE <= 2.14), or one
             if not delayed:
                 new[name] = b
                 new["cp_a2a_attention_output"] = saved_out
