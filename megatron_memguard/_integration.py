@@ -285,7 +285,7 @@ def run_preflight(raw_fn: Callable[[], RawConfig], *, mode: str | None = None, w
             emit(f"{PREFIX} {label}: error: {e}; memguard's default site constants are used (training continues)")
     r.gpu, r.gpu_memory, r.gpu_memory_source = resolve_gpu(gpu, gpu_memory, environ)
     try:
-        raw = raw_fn()
+        raw = with_installed_te(raw_fn())
         r.raw = raw
         if world_size is None:
             world_size, world_size_from = world_from_environment(environ)
@@ -521,3 +521,30 @@ def env_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     if v is None or v == "":
         return None
     return to_int(v, name, 1, INT64_MAX, "a 64-bit integer")
+
+
+# --------------------------------------------------------------------------------------------------
+# The Transformer Engine the job runs
+# --------------------------------------------------------------------------------------------------
+def installed_te_version() -> str | None:
+    """``transformer_engine.__version__`` when the job has imported TE (Megatron's TE layers do), else its installed
+    distribution's version; None when neither is there or readable. Never imports TE (nor torch), never raises."""
+    try:
+        te = sys.modules.get("transformer_engine")
+        v = getattr(te, "__version__", None) if te is not None else None
+        if not v:
+            from importlib.metadata import version
+            v = version("transformer_engine")
+        return str(v).split("+", 1)[0] or None
+    except Exception:
+        return None
+
+
+def with_installed_te(raw: RawConfig, version: str | None = None) -> RawConfig:
+    """``raw`` with MEMGUARD_TE_VERSION set to the job's TE release (``installed_te_version``): inside a job the TE
+    that is loaded is the truth, over the core release's default and over the variable (estimator/te_release.py)."""
+    from .estimator.te_release import TE_VERSION_VAR, te_version_problem
+    v = (version if version is not None else installed_te_version() or "").split("+", 1)[0]
+    if not v or te_version_problem(v) or raw.env.get(TE_VERSION_VAR) == v:
+        return raw
+    return dataclasses.replace(raw, env={**raw.env, TE_VERSION_VAR: v})

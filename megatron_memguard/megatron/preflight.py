@@ -34,6 +34,7 @@ from ..errors import MemguardError
 from ..gpus import GpuSpec
 from ..knobs import flag_text
 from ..readers.megatron_namespace import raw_from_namespace
+from .._integration import with_installed_te
 from ..report.text import moe_line, render, stage_summary, verdict_line, worst_moe_stage
 from ..resolve import resolve
 from ..units import format_bytes
@@ -159,7 +160,7 @@ def decide(args: Any, defaults: Mapping[str, Any] | None, validate: Callable, se
         d.gpu, d.gpu_memory, d.gpu_memory_source = gpu_spec_for(name, total), total, src
 
     try:
-        raw = raw_config_from_args(args, defaults)
+        raw = with_installed_te(raw_config_from_args(args, defaults))   # the TE the job loaded
         layout = resolve(raw, world_size=raw.world_size, megatron_version=megatron_version)
         site = None
         if settings.profile:
