@@ -167,3 +167,19 @@ def test_mxfp8_attention_by_switch_needs_te_2_15():
     with pytest.raises(ConfigError, match="needs Transformer Engine 2.15 or later"):
         lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", env={"MEMGUARD_TE_VERSION": "2.14.1"},
             fp8_dot_product_attention=True, version="0.19.2")
+
+
+def test_installed_te_version_is_read_from_the_loaded_module(monkeypatch):
+    import sys
+    import types
+
+    from megatron_memguard._integration import installed_te_version, run_preflight
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.14.1+cu13"))
+    assert installed_te_version() == "2.14.1"
+    # the framework callbacks' preflight resolves with it: the FP8 kernel's M and ZInv of TE 2.14
+    r = run_preflight(lambda: parse_megatron_flags(BASE + DS), world_size=16, mode="report", gpu="H100-80GB",
+                      emit=lambda s: None, environ={})
+    assert r.raw.env["MEMGUARD_TE_VERSION"] == "2.14.1"
+    # a module without a version (a stub) and no distribution: nothing is set, nothing raises
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace())
+    assert installed_te_version() is None

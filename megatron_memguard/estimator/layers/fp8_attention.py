@@ -148,8 +148,9 @@ _BF16_RING_INPUTS = ("query_rope", "query", "query_norm")
 def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> MixerActivations:
     """FP8 attention under context parallelism with cp_comm_type p2p (a2a: ``fp8_a2a_attention``):
     Transformer Engine's ``AttnFuncWithCPAndKVP2P`` with ``fp8`` (TE 2.11 ``context_parallel.py``; TE 2.20.2, for
-    megatron-core >= 0.17, holds two ring buffers instead of one per step and casts the fp32 output to BF16 twice:
-    ``out_part`` (2255), which it saves, and the returned ``out_f16`` (2298)).
+    megatron-core >= 0.17, holds two ring buffers instead of one per step (from TE 2.20) and casts the fp32 output to
+    BF16 twice (from TE 2.15): ``out_part`` (2255), which it saves, and the returned ``out_f16`` (2298); the run's TE:
+    estimator/te_release.py).
 
     Saved (forward's end, ``ctx.fp8``): ``q_fp8`` (a view of combine_and_quantize's one FP8 buffer of q, k, v:
     the whole ``[Tf, (a + 2 g) d]`` stays), ``kv_fp8`` (the last ring buffer, FP8 K and V), the merged fp32
@@ -425,7 +426,7 @@ def mxfp8_attention_tensors(Tf: int, heads_dims: tuple[tuple[int, int], ...]) ->
 def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
     """FP8 attention under the mxfp8 recipe (megatron-core >= 0.17 with TE 2.20.2, no context parallelism:
     resolve/fp8.py refuses that path). ``DotProductAttention`` keeps the MXFP8 recipe for the attention
-    (``NVTE_DPA_FP8_RECIPE`` unset) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
+    (``NVTE_DPA_FP8_RECIPE`` unset; or switches to it, ``MXFP8BlockScaling``, TE >= 2.15) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
 
     * forward: q, k, v are made contiguous where they are views (``get_qkv_layout``) and quantized one by one (no
       concatenation: ``combine_and_quantize``'s MXFP8 fast path for sbhd_sbhd_sbhd), each rowwise and columnwise
