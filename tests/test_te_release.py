@@ -147,8 +147,24 @@ def test_nvfp4_needs_a_switch():
     L = lay(*fp4, env={"NVTE_DPA_FP8_RECIPE": "DelayedScaling"}, fp8_dot_product_attention=True, version="0.19.2")
     assert L.fp8_spec.fp8_dot_product_attention
     got = layer_activations(L).saved
-    # delayed-scaling FP8 attention: the FP8 q, k, v buffer, the FP8 output (1 B/elem + its 512-byte scale)
-    assert got["fp8_attention_qkv"] == TF * QKV_W + 512 and got["proj_input"] == TF * CTX + 512
+    # delayed-scaling FP8 attention: the FP8 q, k, v buffer and the FP8 output (1 B/elem + its 512-byte scale);
+    # linear_proj under NVFP4 keeps the BF16 output it reads (set_save_original_input, attention.py 0.19.2)
+    assert got["fp8_attention_qkv"] == TF * QKV_W + 512 and got["fp8_attention_output"] == TF * CTX + 512
+    assert got["proj_input"] == 2 * TF * CTX
+
+
+def test_delayed_attention_under_current_scaling_linears():
+    # FP8CS linears, NVTE_DPA_FP8_RECIPE=DelayedScaling: FusedAttnFunc saves its FP8 output (fp8_tensors = (q_fp8,
+    # k_fp8, v_fp8, out_fp8), backends.py) and returns the dequantized BF16 one, which linear_proj keeps
+    # (set_save_original_input for every recipe but delayed): both stay, as under the output gate
+    cs = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    L = lay(*cs, env={"NVTE_DPA_FP8_RECIPE": "DelayedScaling"}, fp8_dot_product_attention=True)
+    got = layer_activations(L).saved
+    plain = layer_activations(lay(*cs, fp8_dot_product_attention=True)).saved
+    assert got["proj_input"] == plain["proj_input"] == 2 * TF * CTX
+    assert got["fp8_attention_output"] == TF * CTX + 512 and "fp8_attention_output" not in plain
+    assert "fp8_proj_input" not in got
+    assert sum(got.values()) - sum(plain.values()) == TF * CTX + 512
 
 
 def test_mxfp8_attention_by_switch_needs_te_2_15():

@@ -61,6 +61,14 @@ def _bf16_dropped(L: Layout, x: Shapes, saved: Mapping[str, int], mla: bool, gat
     return dropped
 
 
+def _bf16_output_kept(L: Layout, gated: bool) -> bool:
+    """Whether another module keeps the BF16 attention output next to the FP8 one delayed-scaling attention saves:
+    the output gate, or linear_proj when its linear recipe is not delayed (``set_save_original_input``,
+    fp8_layers.py ``proj_saves_original_input``; delayed attention under other linears: ``NVTE_DPA_FP8_RECIPE``)."""
+    from ..fp8_layers import proj_saves_original_input
+    return gated or proj_saves_original_input(L.fp8_spec)
+
+
 def _replayed_at(mixer: MixerActivations, core: int, replay: int) -> MixerActivations:
     """core_attn recompute: the saved tensors do not change; the replay's quantized tensors join backward step
     ``core`` (the core attention's)."""
@@ -113,8 +121,9 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
             new["fp8_attention_qkv"] = qkv8
             b = n_stats * x.b * x.a_t * x.s * 4        # M and ZInv (TE <= 2.14), or one; fp32 [b, a, s, 1]
         elif name == "proj_input" and delayed:
-            if gated:
-                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
+            if _bf16_output_kept(L, gated):
+                # the gate (gate_attention_output) or linear_proj (proj_input) keeps the BF16 output
+                new["fp8_attention_output"] = out8
             else:
                 b = out8                               # the FP8 output the attention keeps
         new[name] = b
@@ -130,7 +139,7 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     # backward at the core attention (after linear_proj's step and the gate's): the quantized output gradient;
     # delayed: FP8 dq, dk, dv before their dequantized BF16 copies, and, when it is proj_input (released at that
     # step), the FP8 output the attention still holds
-    core_extra = out8 + (qkv8 + (0 if gated else out8) if delayed else 0)
+    core_extra = out8 + (qkv8 + (0 if _bf16_output_kept(L, gated) else out8) if delayed else 0)
     bwd = []
     for i, (rel, w) in enumerate(mixer.bwd_steps):
         if i == core:
@@ -272,8 +281,9 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
             new["fp8_attention_qkv"] = qkv8
             b = KV                                     # the last ring buffer, FP8
         elif name == "proj_input" and delayed:
-            if gated:
-                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
+            if _bf16_output_kept(L, gated):
+                # the gate (gate_attention_output) or linear_proj (proj_input) keeps the BF16 output
+                new["fp8_attention_output"] = out8
             else:
                 b = out8
         new[name] = b
@@ -381,8 +391,9 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
                 new["cp_a2a_attention_output"] = saved_out
                 continue
         elif name == "proj_input" and delayed:
-            if gated:
-                new["fp8_attention_output"] = out8     # the gate keeps the BF16 output (gate_attention_output)
+            if _bf16_output_kept(L, gated):
+                # the gate (gate_attention_output) or linear_proj (proj_input) keeps the BF16 output
+                new["fp8_attention_output"] = out8
             else:
                 b = out8                               # the FP8 output the attention keeps
         new[name] = b
