@@ -199,3 +199,18 @@ def test_installed_te_version_is_read_from_the_loaded_module(monkeypatch):
     # a module without a version (a stub) and no distribution: nothing is set, nothing raises
     monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace())
     assert installed_te_version() is None
+
+
+def test_mxfp8_linears_with_current_scaling_attention_under_cp():
+    # MXFP8 attention under CP stays refused (TE 2.20.2's MXFP8 ring is not sized); NVTE_DPA_FP8_RECIPE=
+    # Float8CurrentScaling runs the ring in current scaling (TE >= 2.15 has the mxfp8 -> CS branch): the FP8 ring's
+    # last K/V buffer [2, s/CP, b, g/t, d] at 1 B/elem
+    from megatron_memguard.errors import NotModelledError
+    mx = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2"]
+    with pytest.raises(NotModelledError, match="NVTE_DPA_FP8_RECIPE=Float8CurrentScaling"):
+        lay(*mx, fp8_dot_product_attention=True, version="0.19.2")
+    L = lay(*mx, env={"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"}, fp8_dot_product_attention=True,
+            version="0.19.2")
+    got = layer_activations(L).saved
+    assert got["cp_kv_buffer"] == 2 * 4096 * G_T * D
+    assert got["fp8_attention_qkv"] == 4096 * QKV_W + 512

@@ -255,11 +255,17 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
     SM 10.x with cuDNN >= 9.21 (not 9.23.0 / 9.23.1), not for THD (``get_attention_backend``, utils.py 774-791)."""
     key = a.key(dest)
     if kw.get("context_parallel_size", 1) > 1:
-        # context_parallel.py has its own MXFP8 path (BF16 q, k, v kept next to per-step MXFP8 copies, dO quantized
-        # per step): not sized
+        # context_parallel.py (TE 2.20.2) has its own MXFP8 path: the p2p ring saves the BF16 q, the last BF16 K/V
+        # buffer and the BF16 out_part (f16_tensors = (q, kv, out_f16)), casts each step's BF16 partial output to
+        # fp32 for the correction, accumulates dq / dK/dV in fp32, and quantizes each step's q, k, v (forward:
+        # q, k rowwise, v columnwise; backward: q, k both ways, v rowwise) and dO to MXFP8 on two streams; the a2a
+        # path saves the exchanged BF16 q, k, v. Neither working set is sized
         raise NotModelledError(key, "FP8 attention under the mxfp8 recipe with context parallelism (Transformer "
-                                    "Engine 2.20.2's MXFP8 ring / all-to-all attention is not sized): estimate "
-                                    "with --fp8-recipe tensorwise, or without FP8 attention")
+                                    "Engine 2.20.2's MXFP8 ring / all-to-all attention keeps BF16 q, k, v with fp32 "
+                                    "partial outputs and gradient accumulators and per-step MXFP8 copies, not "
+                                    "sized): estimate with --fp8-recipe tensorwise, NVTE_DPA_FP8_RECIPE="
+                                    "Float8CurrentScaling (the attention in current scaling next to the MXFP8 "
+                                    "linears, sized), or without FP8 attention")
     # combine_and_quantize (utils.py): "MXFP8 quantization requires s_q % 128 == 0, s_kv % 128 == 0, d_qk % 32 == 0,
     # d_v % 32 == 0" (an assertion at the first step)
     seq = kw.get("seq_length")
