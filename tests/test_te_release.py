@@ -89,6 +89,7 @@ def test_ring_rules_follow_the_te_release():
 def test_bad_te_version_is_an_error_naming_the_variable(value, bad):
     problems = te_env_problems({"MEMGUARD_TE_VERSION": value})
     assert bool(problems) == bad
+    assert te_env_problems({"MEMGUARD_TE_VERSION": " "}) == []      # exported empty: unset
     if bad:
         with pytest.raises((ConfigError, ConfigErrors), match="MEMGUARD_TE_VERSION.*Transformer Engine"):
             lay(*DS, env={"MEMGUARD_TE_VERSION": value})

@@ -114,7 +114,7 @@ def attention_recipe(linear: str | None, env: Mapping[str, str], megatron_versio
 def te_env_problems(env: Mapping[str, str]) -> list[tuple[str, str]]:
     """(variable, rule) for each bad ``MEMGUARD_TE_VERSION`` / ``NVTE_DPA_FP8_RECIPE`` in a run's environment."""
     out = []
-    if TE_VERSION_VAR in env:
+    if str(env.get(TE_VERSION_VAR, "")).strip():       # (set empty: unset, the core release's default)
         rule = te_version_problem(str(env[TE_VERSION_VAR]))
         if rule:
             out.append((TE_VERSION_VAR, rule))
