@@ -215,3 +215,25 @@ def test_mxfp8_linears_with_current_scaling_attention_under_cp():
     got = layer_activations(L).saved
     assert got["cp_kv_buffer"] == 2 * 4096 * G_T * D
     assert got["fp8_attention_qkv"] == 4096 * QKV_W + 512
+
+
+def test_flash_on_mla_follows_the_te_release():
+    # TE 2.16.1 utils.py: "Disabling FlashAttention 2 as it does not support MLA." (head_dim_qk != head_dim_v);
+    # TE 2.17.0 dot_product_attention.py _pad_qkv_head_dim pads the smaller head dim (the same as 2.20.2)
+    from megatron_memguard import layout_from_flags, lookup_gpu
+    from megatron_memguard.estimator.attention_backend import select
+    from test_attention_backend_auto import LLAMA, MLA
+    i = LLAMA.index("--group-query-attention")
+    flags = LLAMA[:i] + LLAMA[i + 3:] + MLA         # MLA 192/128, no GQA
+    a100 = lookup_gpu("A100")
+    for te, flash in (("2.16.1", False), ("2.17.0", True), (None, True)):
+        env = {"MEMGUARD_TE_VERSION": te} if te else {}
+        L = layout_from_flags(flags, world_size=8, megatron_version="0.19.2", env=env)
+        assert (select(L, a100).selected == "flash") == flash
+        if flash:
+            assert layout_from_flags(flags + ["--attention-backend", "flash"], world_size=8,
+                                     megatron_version="0.19.2", env=env).attention_backend == "flash"
+        else:
+            with pytest.raises((ConfigError, ConfigErrors), match="Transformer Engine 2.16.1.*before TE 2.17"):
+                layout_from_flags(flags + ["--attention-backend", "flash"], world_size=8, megatron_version="0.19.2",
+                                  env=env)

@@ -89,9 +89,18 @@ class AttentionBackend:
 
 def _te_211(L: Layout) -> bool:
     """The run's TE (estimator/te_release.py: core 0.16 pins it below 2.12, later cores are read with 2.20.2)
-    is read with TE 2.11's backend rules up to 2.11, with 2.20.2's from 2.12 (the releases between were not read)."""
+    is read with TE 2.11's backend rules up to 2.11, with 2.20.2's from 2.12: the Python rules (determinism on
+    Blackwell, a deterministic non-vanilla softmax) change at 2.12.0; the compiled cuDNN query was read in 2.11.0
+    and 2.20.2 only."""
     from .te_release import BACKEND_RULES_2202_SINCE, te_at_least
     return not te_at_least(L.env_dict, L.megatron_version, BACKEND_RULES_2202_SINCE)
+
+
+def _te_drops_flash_for_mla(L: Layout) -> bool:
+    """TE up to 2.16.1 drops flash-attn 2 for different q/k and v head dims ("does not support MLA", utils.py);
+    from 2.17.0 ``_pad_qkv_head_dim`` pads the smaller one (dot_product_attention.py)."""
+    from .te_release import MLA_FLASH_PAD_SINCE, te_at_least
+    return not te_at_least(L.env_dict, L.megatron_version, MLA_FLASH_PAD_SINCE)
 
 
 def _deterministic(L: Layout) -> bool:
@@ -144,8 +153,8 @@ def _flash_blocked(L: Layout, cc: tuple[int, int] | None, explicit: bool = False
                     + ("only on sm90" if fa == 3 else "not below sm90"))
         return None
     qk, v = head_dims(L)
-    if qk != v and _te_211(L):
-        return f"flash-attn 2 needs equal q/k and v head dims in Transformer Engine 2.11 ({_dims(L)})"
+    if qk != v and _te_drops_flash_for_mla(L):
+        return f"flash-attn 2 needs equal q/k and v head dims in Transformer Engine before 2.17 ({_dims(L)})"
     if L.softmax_type != "vanilla":
         return f"flash-attn has no {L.softmax_type} softmax"
     d = max(qk, v)

@@ -15,8 +15,11 @@ What changes between the releases read (TE 2.11.0 to 2.20.2 wheels, ``attention/
   before the all-to-all, and its backward exchanges dO alone (2.11 to 2.14.1: ``[out, dout]``).
 * 2.20: the p2p ring keeps two K/V buffers and partial outputs (``p2p_comm_buffers = [None, None]``) instead of
   one per CP step (2.19.0 still keeps them all).
-* The attention-backend rules (estimator/attention_backend.py) were read in 2.11 and 2.20.2 only: a release from
-  2.12 on is read with 2.20.2's.
+* 2.17: flash-attn 2 runs MLA on padded head dims (``_pad_qkv_head_dim``; 2.16.1 still drops it, "does not support
+  MLA").
+* The other attention-backend rules (estimator/attention_backend.py): the Python ones (determinism on Blackwell, a
+  deterministic non-vanilla softmax) change at 2.12.0; the compiled cuDNN query was read in 2.11.0 and 2.20.2 only,
+  and a release from 2.12 on is read with 2.20.2's.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ ONE_SOFTMAX_STAT_SINCE = "2.15"     # FP8 attention: one fp32 statistic (earlier
 RING_OUT_PART_SINCE = "2.15"        # CP ring: the BF16 out_part, dO-only exchange
 RING_TWO_BUFFERS_SINCE = "2.20"     # CP ring: two K/V buffers / partial outputs in flight
 BACKEND_RULES_2202_SINCE = "2.12"   # attention backend rules read in 2.20.2 (earlier: 2.11's)
+MLA_FLASH_PAD_SINCE = "2.17"        # flash-attn 2 on MLA: head dims padded (earlier: flash dropped)
 
 # NVTE_DPA_FP8_RECIPE (dot_product_attention.py, module level): "" (unset) keeps the autocast recipe
 DPA_RECIPES = ("F16", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from packaging.version import Version
 
 from ..errors import NO_TE_BACKEND, NotModelledError
+from ..estimator.te_release import MLA_FLASH_PAD_SINCE, te_at_least, te_version_text
 from .args import _DTYPE_NAMES, Args, Context
 
 
@@ -49,13 +49,16 @@ def implementation(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, An
         a.fail("attention_backend", f"{backend} needs bf16 or fp16 activations (--bf16 / --fp16): Transformer "
                "Engine has no flash or fused attention for fp32 q/k/v", "use --attention-backend unfused or auto",
                fails_later=NO_TE_BACKEND)
-    elif impl == "transformer_engine" and backend == "flash" and _mla_dims_differ(a) and ctx.version < Version("0.17") \
+    elif impl == "transformer_engine" and backend == "flash" and _mla_dims_differ(a) \
+            and not te_at_least(a.raw.env, str(ctx.version), MLA_FLASH_PAD_SINCE) \
             and not kw.get("fp8_dot_product_attention"):
-        # TE 2.11 get_attention_backend: "Disabling FlashAttention 2 as it does not support MLA" (head_dim_qk !=
-        # head_dim_v; TE 2.20.2 pads instead), with fused and unfused switched off by the backend's NVTE_* variables:
-        # DotProductAttention.forward raises at the first forward (megatron-core 0.16 pins TE < 2.12)
-        a.fail("attention_backend", "flash has no multi-latent attention kernel in Transformer Engine 2.11 "
-               "(megatron-core 0.16): flash-attn 2 needs equal q/k and v head dims",
+        # TE 2.11 to 2.16.1 get_attention_backend: "Disabling FlashAttention 2 as it does not support MLA"
+        # (head_dim_qk != head_dim_v; TE 2.17+ pads instead), with fused and unfused switched off by the backend's
+        # NVTE_* variables: DotProductAttention.forward raises at the first forward (megatron-core 0.16 pins TE < 2.12;
+        # the run's TE: estimator/te_release.py)
+        te = te_version_text(a.raw.env, str(ctx.version))
+        a.fail("attention_backend", f"flash has no multi-latent attention kernel in Transformer Engine {te} "
+               f"(megatron-core {ctx.version}): flash-attn 2 needs equal q/k and v head dims before TE 2.17",
                "use --attention-backend auto or fused",
                fails_later=NO_TE_BACKEND)
     elif backend == "local" and not ctx.legacy and a.key("attention_backend").startswith("--") and (
