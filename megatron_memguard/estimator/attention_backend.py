@@ -58,7 +58,8 @@ parallelism, 2.11 and 2.20.2 utils.py), which memguard refuses. fp32 q/k/v (no -
 FP8 attention (``--fp8-dot-product-attention``) runs only in cuDNN; its head-dim and determinism rules are
 resolve/fp8.py's. memguard assumes flash-attn 2 is installed, as in NVIDIA's NGC PyTorch containers (without it TE
 would run cuDNN on an A100, or its unfused attention under determinism), and not flash-attn 4 (TE 2.20.2 would also
-weigh it on sm100). Megatron-core 0.16 pins TE < 2.12 (its ``dev`` extra); later releases are read with TE 2.20.2.
+weigh it on sm100). Megatron-core 0.16 pins TE < 2.12 (its ``dev`` extra); later releases are read with TE 2.20.2,
+unless the run names its TE (``MEMGUARD_TE_VERSION``, the hook: estimator/te_release.py).
 """
 from __future__ import annotations
 
