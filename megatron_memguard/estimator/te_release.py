@@ -24,7 +24,10 @@ What changes between the releases read (TE 2.11.0 to 2.20.2 wheels, ``attention/
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:   # (packaging is imported on first use: `import megatron_memguard` stays light)
+    from packaging.version import Version
 
 TE_VERSION_VAR = "MEMGUARD_TE_VERSION"
 DPA_RECIPE_VAR = "NVTE_DPA_FP8_RECIPE"
@@ -42,7 +45,8 @@ DPA_RECIPES = ("F16", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScali
 
 
 @lru_cache(maxsize=64)
-def _version(text: str):
+def _version(text: str) -> Version | None:
+    """``text`` as a version, None when it is none (cached: asked for per layer)."""
     from packaging.version import InvalidVersion, Version
     try:
         return Version(str(text).strip())
@@ -76,6 +80,7 @@ def te_version_text(env: Mapping[str, str], megatron_version: str) -> str:
 
 
 def te_at_least(env: Mapping[str, str], megatron_version: str, since: str) -> bool:
+    """Whether the run's TE (``te_version_text``) is release ``since`` or later."""
     return _version(te_version_text(env, megatron_version)) >= _version(since)
 
 

@@ -34,10 +34,11 @@ from typing import Mapping
 
 from ...layout import Layout
 from ..fp8 import _alloc, quantized_tensor
-from .attention import _gated
 from ..te_release import attention_recipe, fp8_softmax_stats
+from .attention import _gated
 from .base import MixerActivations, Shapes, shapes
 from .cp_attention import a2a_peak
+
 
 def dpa_recipe(L: Layout) -> str | None:
     """The recipe the core attention runs in: the layer's, or the one NVTE_DPA_FP8_RECIPE switches to."""
