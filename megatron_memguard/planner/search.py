@@ -262,6 +262,9 @@ class Planner:
         self.timer = TimeModel(self.shape, cluster, self.gbs, tp_overlap=tp_overlap)
         self._bounds: dict[tuple, float] = {}
 
+    def _pattern_dest(self) -> str:
+        return "hybrid_layer_pattern" if self.raw.args.get("hybrid_layer_pattern") else "hybrid_override_pattern"
+
     # ---- per candidate ------------------------------------------------------------------------------
     def step_time(self, c: Candidate) -> StepTime:
         return self.timer.step_time(c)
@@ -562,6 +565,11 @@ class Planner:
             ranked = tie_break(res.entries, lambda e: e.time.seconds, lambda e: key(e.candidate), window)
             res.entries = [dataclasses.replace(e, rank=i + 1) for i, e in enumerate(ranked[:top])]
         res.seconds = _time.perf_counter() - t0
+        if not self.shape.segments and any(e.candidate.segments for e in res.entries):
+            res.notes.append(f"{self.raw.key(self._pattern_dest())}: the layouts with '|' in their flags split your "
+                             "pattern into pipeline segments the planner chose (megatron-core 0.17+ takes virtual "
+                             "stages only so; VPP = segments / PP): paste that --hybrid-layer-pattern in place of "
+                             "yours")
         if not cands:
             res.notes.append("no layout satisfies the constraints and Megatron's divisibility rules")
         return res
