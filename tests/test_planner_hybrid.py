@@ -86,10 +86,16 @@ def test_planner_parameters_match_the_estimator_per_stage():
                 assert dense == st.parameters, (c.name, st.pp_rank)
 
 
-@pytest.mark.parametrize("name", ["hybrid", "hybrid-moe", "small_blocks", "linear_blocks", "top_mlp_only",
-                                  "own_query_groups"])
+# '|' segments kept as given (4: PP 2 with VPP 2, PP 4), and '/' MTP depths (the planner's own segments for VPP)
+HYBRID_PIPES = MAMBA + ["--hybrid-layer-pattern", "M-M*|-M-M-|M*-M|-M-"]
+HYBRID_MTP = MAMBA + ["--hybrid-layer-pattern", "M-M*-M-M-M*-M-M-/M*-/M*-"]
+
+
+@pytest.mark.parametrize("name", ["hybrid", "hybrid-moe", "hybrid-pipes", "hybrid-mtp", "small_blocks", "linear_blocks",
+                                  "top_mlp_only", "own_query_groups"])
 def test_bound_stays_below_the_estimate_and_no_candidate_breaks_a_rule(name):
-    flags = {"hybrid": HYBRID, "hybrid-moe": HYBRID_MOE}.get(name) or HET + [os.path.join(HET_DIR, name + ".json")]
+    flags = {"hybrid": HYBRID, "hybrid-moe": HYBRID_MOE, "hybrid-pipes": HYBRID_PIPES, "hybrid-mtp": HYBRID_MTP}.get(
+        name) or HET + [os.path.join(HET_DIR, name + ".json")]
     gpus, gbs = (16, 64) if name.startswith("hybrid") else (8, 32)
     P = make_planner(flags, gpus, 4096, gbs)
     cands = enumerate_space(P.shape, P.cluster, gbs, Constraints())
