@@ -170,14 +170,22 @@ def test_virtual_stages_of_a_pattern_without_pipes_are_written_as_segments():
     assert L.vpp == 3 and L.pipeline_model_parallel_layout == "Ettt|ttt|ttt|ttt|ttt|tttL"
     # the exported flags carry the pattern, not the layout / VPP flags validate_args refuses beside it, and they
     # give the same layout again
-    from megatron_memguard.planner.export import bridge_overrides, megatron_flags
+    from megatron_memguard.planner.export import bridge_overrides, megatron_flags, nemo2_overrides
     from megatron_memguard.readers.megatron_flags import parse_megatron_flags
     from megatron_memguard.resolve import resolve
     import shlex
     flags = megatron_flags(L)
     assert "--hybrid-layer-pattern 'M-M|*-M|-M-|M*-|M-M|-M-'" in flags
     assert not any(f.startswith(("--pipeline-model-parallel-layout", "--num-virtual-stages")) for f in flags)
-    assert "model.hybrid_layer_pattern='M-M|*-M|-M-|M*-|M-M|-M-'" in bridge_overrides(L)
+    # Bridge: the pattern alone (HybridModelProvider asserts virtual_pipeline_model_parallel_size unset); NeMo 2 runs
+    # no validate_args to derive the size: written beside it
+    bridge = bridge_overrides(L)
+    assert "model.hybrid_layer_pattern='M-M|*-M|-M-|M*-|M-M|-M-'" in bridge
+    assert "model.virtual_pipeline_model_parallel_size=null" in bridge
+    assert not any("pipeline_model_parallel_layout" in o for o in bridge)
+    nemo2 = nemo2_overrides(L)
+    assert "model.config.hybrid_override_pattern='M-M|*-M|-M-|M*-|M-M|-M-'" in nemo2
+    assert "trainer.strategy.virtual_pipeline_model_parallel_size=3" in nemo2
     again = resolve(parse_megatron_flags(MAMBA + shlex.split(" ".join(flags))),
                     world_size=8)
     assert again.vpp == 3 and again.pipeline_model_parallel_layout == L.pipeline_model_parallel_layout

@@ -94,15 +94,16 @@ def _fsdp(L: Layout) -> list[tuple[str, object]]:
     return [("use_megatron_fsdp", True), ("data_parallel_sharding_strategy", L.data_parallel_sharding_strategy)]
 
 
-def _values(L: Layout, experts: tuple[int, int] | None = None) -> list[tuple[str, object]]:
+def _values(L: Layout, experts: tuple[int, int] | None = None, bridge: bool = True) -> list[tuple[str, object]]:
     """(dest, value) of every knob the NeMo 2 / Bridge overrides write, in their order."""
     seg = segmented_pattern(L)
     v: list[tuple[str, object]] = [
         ("tensor_model_parallel_size", L.tp), ("pipeline_model_parallel_size", L.pp),
         # (with a layout too: TransformerConfig asserts it equals the layout's, and NeMo 2 / Bridge size the
-        # virtual-pipeline groups from it before the config derives it; not beside a hybrid pattern's '|' segments:
-        # Bridge's HybridModelProvider asserts the virtual size unset and derives it from them)
-        ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 and not seg else None),
+        # virtual-pipeline groups from it before the config derives it; for Bridge not beside a hybrid pattern's '|'
+        # segments: its HybridModelProvider asserts the virtual size unset and derives it from them. NeMo 2 calls no
+        # validate_args to derive it: the size is written beside the pattern there)
+        ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 and not (seg and bridge) else None),
         ("context_parallel_size", L.cp), ("sequence_parallel", L.sequence_parallel)]
     if L.pipeline_model_parallel_layout and not seg:
         v.append(("pipeline_model_parallel_layout", L.pipeline_model_parallel_layout))
@@ -162,13 +163,13 @@ def _bridge(pairs: list[tuple[str, object]]) -> list[str]:
 def nemo2_overrides(L: Layout, gpus_per_node: int | None = None, experts: tuple[int, int] | None = None,
                     raw: RawConfig | None = None) -> list[str]:
     """``raw``: the model's config, whose settings the layout leaves unset are cleared (null / false)."""
-    o = _nemo2(_values(L, experts))
+    o = _nemo2(_values(L, experts, bridge=False))
     o += _nemo2([("micro_batch_size", L.micro_batch_size), ("global_batch_size", L.global_batch_size),
                  ("seq_length", L.seq_length), ("use_distributed_optimizer", L.use_distributed_optimizer),
                  ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
     o += _nemo2(_recompute(L)) + _nemo2(_fsdp(L)) + _nemo2(_fp8(L))
     o += _pattern(L, "model.config.hybrid_override_pattern")
-    o += _nemo2(_cleared(L, raw, _values(L, experts) + _recompute(L)))
+    o += _nemo2(_cleared(L, raw, _values(L, experts, bridge=False) + _recompute(L)))
     if gpus_per_node:
         nodes = -(-L.world_size // gpus_per_node)
         o += [f"trainer.devices={min(gpus_per_node, L.world_size)}", f"trainer.num_nodes={nodes}"]
