@@ -150,6 +150,10 @@ def test_a_users_pipe_segments_are_kept_as_given():
     L = P.layout(next(c for c in cands if c.pp == 2))
     assert L.vpp == 2 and L.pipeline_model_parallel_layout == "Ettttt|tttt|ttttt|ttttL"
     assert not enumerate_space(P.shape, P.cluster, 32, Constraints(vpp=(1,), pp=(2,)))   # VPP is the segments'
+    # three segments: PP 3 does not divide 8 GPUs, PP 1 cannot interleave: nothing to plan, said so
+    P = make_planner(MAMBA + ["--hybrid-layer-pattern", "M-M*-M|-M-M*|-M-M-M-"], 8, 4096, 32)
+    res = P.plan(Constraints(), top=3)
+    assert not res.entries and any("3 '|' segments allow only a PP > 1 dividing 3" in n for n in res.notes)
 
 
 def test_virtual_stages_of_a_pattern_without_pipes_are_written_as_segments():

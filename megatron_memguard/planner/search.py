@@ -572,4 +572,8 @@ class Planner:
                              "yours")
         if not cands:
             res.notes.append("no layout satisfies the constraints and Megatron's divisibility rules")
+            n = len(self.shape.segments)
+            if n:
+                res.notes.append(f"the pattern's {n} '|' segments allow only a PP > 1 dividing {n} (validate_args), "
+                                 f"with {self.cluster.gpus} GPUs divisible by TP x CP x PP: drop or change the '|'")
         return res
