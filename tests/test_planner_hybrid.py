@@ -292,3 +292,14 @@ def test_linear_replacement_blocks_plan_without_sequence_parallelism():
     from megatron_memguard.planner.space import Candidate
     with pytest.raises((ConfigError, ConfigErrors), match="replace_with_linear"):
         P.layout(Candidate(2, 1, 1, 1, None, None, True, 1, "none", True, 4, 8, (4,)))      # TP 2 with SP: refused
+
+
+def test_the_legacy_pattern_spelling_is_cleared_beside_the_segmented_one():
+    # validate_args (0.19.2) and Bridge's HybridModelProvider.finalize assert --hybrid-override-pattern and
+    # --hybrid-layer-pattern are not both given: the exported pattern replaces the legacy one
+    from megatron_memguard.planner.export import bridge_overrides, flags_to_remove, megatron_flags
+    P = make_planner(MAMBA + ["--hybrid-override-pattern", "M-M*-|M-M-|M*-M-|M-M-", "--num-layers", "18"], 8, 4096, 32)
+    c = next(c for c in enumerate_space(P.shape, P.cluster, 32, Constraints()) if c.vpp == 2)
+    L = P.layout(c)
+    assert flags_to_remove(P.raw, megatron_flags(L)) == ["--hybrid-override-pattern"]
+    assert "model.hybrid_override_pattern=null" in bridge_overrides(L, raw=P.raw)

@@ -185,6 +185,9 @@ def bridge_overrides(L: Layout, experts: tuple[int, int] | None = None, raw: Raw
                   ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
     o += _bridge(_recompute(L)) + _bridge(_fsdp(L)) + _bridge(_fp8(L))
     o += _pattern(L, "model.hybrid_layer_pattern")
+    if segmented_pattern(L) and raw is not None and raw.args.get("hybrid_override_pattern"):
+        # (HybridModelProvider.finalize asserts the deprecated field unset beside hybrid_layer_pattern)
+        o.append("model.hybrid_override_pattern=null")
     if L.use_megatron_fsdp:   # Bridge asserts the fsdp_dtensor checkpoint format with Megatron-FSDP when it saves
         o.append("checkpoint.ckpt_format=fsdp_dtensor")
     return o + _bridge(_cleared(L, raw, _values(L, experts) + _recompute(L)))
