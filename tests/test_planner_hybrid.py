@@ -303,3 +303,19 @@ def test_the_legacy_pattern_spelling_is_cleared_beside_the_segmented_one():
     L = P.layout(c)
     assert flags_to_remove(P.raw, megatron_flags(L)) == ["--hybrid-override-pattern"]
     assert "model.hybrid_override_pattern=null" in bridge_overrides(L, raw=P.raw)
+
+
+def test_hybrid_mtp_depths_with_moe_layers_count_their_experts():
+    # a depth of '*E' (attention, then an MoE block): the last stage's parameters, its routed experts over expert DP
+    # included, are the estimator's count
+    flags = HYBRID_MOE[:HYBRID_MOE.index("--hybrid-override-pattern")] + [
+        "--hybrid-layer-pattern", "MEM*EMEM*EME/*E"] + HYBRID_MOE[HYBRID_MOE.index("--num-experts"):]
+    P = make_planner(flags, 16, 4096, 64)
+    cands = [c for c in enumerate_space(P.shape, P.cluster, 64, Constraints(recompute=("none",), mbs=(1,)))
+             if c.pp > 1 and c.ep > 1][:4]
+    assert cands
+    for c in cands:
+        last = P.estimate(P.layout(c)).stages[-1]
+        assert (P.timer.stage_params(c, c.pp - 1) + P.timer.stage_expert_params(c, c.pp - 1)
+                + sum(P.timer.mtp_params(c))) == last.parameters, c.name
+        assert P.timer.mtp_params(c)[1] > 0
