@@ -6,8 +6,8 @@ layouts). Here the memos are filled with every candidate in enumeration order, t
 terms and bounds are compared with a TimeModel built for it alone.
 
 Drawn: dense models, MoE with dense-first --moe-layer-freq lists or an every-other-layer frequency, MTP depths, gated
-delta net layers (--linear-attention-freq), multi-latent attention, hybrid Mamba patterns (with MoE 'E' layers) and
-heterogeneous layer configs, FP8 in the config or searched (--fp8), Megatron-FSDP,
+delta net layers (--linear-attention-freq), multi-latent attention, hybrid Mamba patterns (with MoE 'E' layers, '|'
+pipeline segments, virtual stages written as segments, '/' MTP depths) and heterogeneous layer configs, FP8 in the config or searched (--fp8), Megatron-FSDP,
 8 to 32 GPUs, uneven and interleaved pipeline splits (their layouts and account flags)."""
 from __future__ import annotations
 
@@ -96,10 +96,14 @@ def mixed_jobs(draw, mixer: str, moe: bool):
         unit = draw(st.sampled_from(["M-M*", "ME*E" if moe else "M*-M", "MM-*"]))
         layers = draw(st.sampled_from([12, 13, 8, 6]))
         pattern = (unit * layers)[:layers]
-        if "|" not in pattern and draw(st.booleans()):
-            pattern = pattern[:layers // 2] + "|" + pattern[layers // 2:]     # the planner drops the segments
+        # '|' segments kept as given (PP divides their count, VPP = count / PP); without them the planner's virtual
+        # stages are written as segments; '/' MTP depths on the last stage
+        cut = draw(st.sampled_from([0, 2, 4]))
+        if cut:
+            pattern = "|".join(pattern[i * layers // cut:(i + 1) * layers // cut] for i in range(cut))
+        mtp = draw(st.sampled_from(["", "/M*", "/M-/M-"]))
         f = base + ["--squared-relu", "--ffn-hidden-size", "1408", "--position-embedding-type", "none",
-                    "--hybrid-override-pattern", pattern, "--num-layers", str(len(pattern.replace("|", ""))),
+                    "--hybrid-override-pattern", pattern + mtp, "--num-layers", str(layers),
                     "--mamba-num-heads", "16", "--mamba-num-groups", "4", "--vocab-size",
                     str(draw(st.sampled_from([4096, 32000])))]
         if moe:

@@ -5,7 +5,8 @@ choice (or next to the runner-up when it is the choice), so a user sees which te
 
 LAYOUT is the compact spelling the planner prints (``Candidate.name``):
 ``tp=8,pp=4,vpp=5,cp=1,mbs=1,recompute=none`` with optional ``sp=on|off``, ``dist-opt=on|off``,
-``first=N,last=N`` (uneven first/last pipeline stages). Missing keys take TP=PP=VPP=CP=MBS=1, no
+``first=N,last=N`` (uneven first/last pipeline stages), ``segments=M-M*|M-M*`` (a hybrid pattern's '|'
+split). Missing keys take TP=PP=VPP=CP=MBS=1, no
 recomputation, SP on when TP > 1 (and TP divides seq / CP), the distributed optimizer on, and the pipeline split the search
 would choose.
 """
@@ -63,6 +64,8 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out["fsdp"] = None if v.lower() in ("off", "none") else v.lower()
         elif k == "layout":             # --pipeline-model-parallel-layout (as the planner names it: no commas)
             out["layout"] = v
+        elif k == "segments":           # a hybrid pattern with '|' between its pipeline segments
+            out["segments"] = v
         elif k == "account":            # embedding, loss or embedding+loss slots in the pipeline split
             words = set(v.lower().split("+"))
             if not words <= {"embedding", "loss"}:
@@ -75,7 +78,7 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             out["fp8"] = v.lower()
         else:
             raise ConfigError("--explain", f"unknown key {k!r}; use tp, pp, vpp, cp, mbs, recompute, sp, dist-opt, first, "
-                                           "last, account, layout, fsdp, fp8, ep, etp")
+                                           "last, account, layout, segments, fsdp, fp8, ep, etp")
     return out
 
 

@@ -6,6 +6,8 @@ what order.
 """
 from __future__ import annotations
 
+import shlex
+
 from ..config import RawConfig
 from ..knobs import knob
 from ..layout import Layout
@@ -16,12 +18,26 @@ def _flag(dest: str, value: object) -> list[str]:
     return [text] if text is not None else []
 
 
+def segmented_pattern(L: Layout) -> str | None:
+    """A hybrid layout's --hybrid-layer-pattern when its '|' segments set the split (and VPP): the pattern with
+    them and its '/' MTP depths; None otherwise. validate_args (0.19.2) asserts no --pipeline-model-parallel-layout
+    and no virtual-stage flag beside it (it derives VPP from the segments), so the pattern replaces both."""
+    main = L.hybrid_layer_pattern or ""
+    if "|" not in main:
+        return None
+    mtp = getattr(L, "hybrid_mtp_pattern", None)
+    return main + (("/" + mtp) * L.mtp_num_layers if mtp else "")
+
+
 def megatron_flags(L: Layout, experts: tuple[int, int] | None = None) -> list[str]:
     """``experts``: (EP, ETP) of a mixture-of-experts layout, written out whenever the model has experts."""
     f = _flag("tensor_model_parallel_size", L.tp) + _flag("pipeline_model_parallel_size", L.pp)
     if experts is not None:
         f += _flag("expert_model_parallel_size", experts[0]) + _flag("expert_tensor_parallel_size", experts[1])
-    if L.pipeline_model_parallel_layout:
+    seg = segmented_pattern(L)
+    if seg:
+        f += [f"--hybrid-layer-pattern {shlex.quote(seg)}"]     # (the split and VPP follow from its '|')
+    elif L.pipeline_model_parallel_layout:
         f += _flag("pipeline_model_parallel_layout", L.pipeline_model_parallel_layout)   # (VPP follows from it)
     elif L.vpp > 1:
         f += _flag("num_virtual_stages_per_pipeline_rank", L.vpp)
@@ -51,12 +67,13 @@ def flags_to_remove(raw: RawConfig, exported: list[str]) -> list[str]:
     stages, ...). Megatron's store-true flags have no off switch and a value flag given once stays in force,
     so these must leave the command for it to run the planned layout (and for `memguard estimate` to give
     the planned bytes)."""
-    import shlex
-
     from ..readers.megatron_flags import parse_megatron_flags
     from .space import SEARCHED_ARGS
     written = set(parse_megatron_flags(shlex.split(" ".join(exported))).args)
     out: list[str] = []
+    if "hybrid_layer_pattern" in written and str(raw.origin.get("hybrid_override_pattern", "")).startswith("--"):
+        # the legacy spelling beside --hybrid-layer-pattern: validate_args asserts only one is given
+        out.append(raw.origin["hybrid_override_pattern"])
     for dest in SEARCHED_ARGS:
         if raw.args.get(dest) is None or raw.args.get(dest) is False or dest in written:
             continue
@@ -77,15 +94,18 @@ def _fsdp(L: Layout) -> list[tuple[str, object]]:
     return [("use_megatron_fsdp", True), ("data_parallel_sharding_strategy", L.data_parallel_sharding_strategy)]
 
 
-def _values(L: Layout, experts: tuple[int, int] | None = None) -> list[tuple[str, object]]:
+def _values(L: Layout, experts: tuple[int, int] | None = None, bridge: bool = True) -> list[tuple[str, object]]:
     """(dest, value) of every knob the NeMo 2 / Bridge overrides write, in their order."""
+    seg = segmented_pattern(L)
     v: list[tuple[str, object]] = [
         ("tensor_model_parallel_size", L.tp), ("pipeline_model_parallel_size", L.pp),
         # (with a layout too: TransformerConfig asserts it equals the layout's, and NeMo 2 / Bridge size the
-        # virtual-pipeline groups from it before the config derives it)
-        ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 else None),
+        # virtual-pipeline groups from it before the config derives it; for Bridge not beside a hybrid pattern's '|'
+        # segments: its HybridModelProvider asserts the virtual size unset and derives it from them. NeMo 2 calls no
+        # validate_args to derive it: the size is written beside the pattern there)
+        ("num_virtual_stages_per_pipeline_rank", L.vpp if L.vpp > 1 and not (seg and bridge) else None),
         ("context_parallel_size", L.cp), ("sequence_parallel", L.sequence_parallel)]
-    if L.pipeline_model_parallel_layout:
+    if L.pipeline_model_parallel_layout and not seg:
         v.append(("pipeline_model_parallel_layout", L.pipeline_model_parallel_layout))
     if experts is not None:
         v += [("expert_model_parallel_size", experts[0]), ("expert_tensor_parallel_size", experts[1])]
@@ -126,6 +146,12 @@ def _cleared(L: Layout, raw: RawConfig | None, pairs: list[tuple[str, object]]) 
     return out
 
 
+def _pattern(L: Layout, key: str) -> list[str]:
+    """The hybrid pattern with its '|' segments as an override (YAML-quoted: '|' and '*'), when they set the split."""
+    seg = segmented_pattern(L)
+    return [f"{key}='{seg}'"] if seg else []
+
+
 def _nemo2(pairs: list[tuple[str, object]]) -> list[str]:
     return [o for dest, value in pairs for o in knob(dest).overrides(knob(dest).nemo2, value)]
 
@@ -137,12 +163,13 @@ def _bridge(pairs: list[tuple[str, object]]) -> list[str]:
 def nemo2_overrides(L: Layout, gpus_per_node: int | None = None, experts: tuple[int, int] | None = None,
                     raw: RawConfig | None = None) -> list[str]:
     """``raw``: the model's config, whose settings the layout leaves unset are cleared (null / false)."""
-    o = _nemo2(_values(L, experts))
+    o = _nemo2(_values(L, experts, bridge=False))
     o += _nemo2([("micro_batch_size", L.micro_batch_size), ("global_batch_size", L.global_batch_size),
                  ("seq_length", L.seq_length), ("use_distributed_optimizer", L.use_distributed_optimizer),
                  ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
     o += _nemo2(_recompute(L)) + _nemo2(_fsdp(L)) + _nemo2(_fp8(L))
-    o += _nemo2(_cleared(L, raw, _values(L, experts) + _recompute(L)))
+    o += _pattern(L, "model.config.hybrid_override_pattern")
+    o += _nemo2(_cleared(L, raw, _values(L, experts, bridge=False) + _recompute(L)))
     if gpus_per_node:
         nodes = -(-L.world_size // gpus_per_node)
         o += [f"trainer.devices={min(gpus_per_node, L.world_size)}", f"trainer.num_nodes={nodes}"]
@@ -157,6 +184,10 @@ def bridge_overrides(L: Layout, experts: tuple[int, int] | None = None, raw: Raw
                   ("global_batch_size", L.global_batch_size), ("use_distributed_optimizer", L.use_distributed_optimizer),
                   ("overlap_grad_reduce", L.overlap_grad_reduce), ("overlap_param_gather", L.overlap_param_gather)])
     o += _bridge(_recompute(L)) + _bridge(_fsdp(L)) + _bridge(_fp8(L))
+    o += _pattern(L, "model.hybrid_layer_pattern")
+    if segmented_pattern(L) and raw is not None and raw.args.get("hybrid_override_pattern"):
+        # (HybridModelProvider.finalize asserts the deprecated field unset beside hybrid_layer_pattern)
+        o.append("model.hybrid_override_pattern=null")
     if L.use_megatron_fsdp:   # Bridge asserts the fsdp_dtensor checkpoint format with Megatron-FSDP when it saves
         o.append("checkpoint.ckpt_format=fsdp_dtensor")
     return o + _bridge(_cleared(L, raw, _values(L, experts) + _recompute(L)))

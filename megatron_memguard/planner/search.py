@@ -37,7 +37,8 @@ from ..knobs import RECOMPUTE_LEVELS
 from ..layout import Layout
 from ..resolve import resolve
 from .bounds import layer_activation_bytes, memory_lower_bound, stage_factor_bytes, stage_state_bytes
-from .space import Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_pruned, model_shape
+from .space import (Candidate, Cluster, Constraints, ModelShape, SEARCHED_ARGS, enumerate_pruned, hybrid_pipes,
+                    model_shape)
 from .timing import StepTime, TimeModel
 
 RULES = ("time", "fujii2024")
@@ -190,16 +191,16 @@ class Planner:
         if ignored:
             self.notes.append("the planner chooses " + ", ".join(ignored) + " itself; the model config's values are "
                               "ignored (constrain them with --tp/--pp/--cp/--vpp/--mbs/--no-recompute/--dist-opt)")
+        segments: tuple[int, ...] = ()
         for dest in ("hybrid_layer_pattern", "hybrid_override_pattern"):
             text = raw.args.get(dest)
             if isinstance(text, str) and "|" in text.split("/")[0] and text.split("/")[0].replace("|", ""):
-                # the '|' segments fix PP and VPP (validate_args): the planner splits the pattern itself, as
-                # select_pipeline_segment does without them (even, or first / last stage sizes; megatron-core 0.19.2
-                # models/hybrid/hybrid_layer_allocation.py; 0.16.1 MambaStack._select_layers_for_pipeline_parallel)
+                # the '|' segments fix PP's split and VPP (validate_args: their count divisible by PP, VPP = count /
+                # PP): the probe (one GPU) resolves without them, the search keeps them (space.hybrid_given_options)
+                segments = tuple(len(x) for x in text.split("/")[0].split("|"))
                 raw = raw.with_args(**{dest: text.replace("|", "")})
                 self.raw = raw
-                self.notes.append(f"{raw.key(dest)}: its '|' pipeline segments are left out; the planner chooses the "
-                                  "pipeline split (even, or first / last stage sizes; no virtual stages)")
+                self._segments_key = raw.key(dest)
         # Probe: the model alone (TP=PP=CP=1, one GPU) gives the shape and reports model errors once.
         probe = Candidate(1, 1, 1, 1, None, None, False, 1, "none", True, 1, 1, ())
         probe_raw = raw.with_args(**probe.overrides(1, self.seq_length))
@@ -238,6 +239,14 @@ class Planner:
             self.notes.append(f"attention backend: {kernel.why}; context parallelism is left out, and the step-time "
                               "model assumes fused attention kernels (the unfused one is slower than predicted)")
         self.shape = model_shape(shape_layout, raw)
+        if segments and hybrid_pipes(self.shape):
+            self.shape = dataclasses.replace(self.shape, segments=segments)
+            self.notes.append(f"{self._segments_key}: its {len(segments)} '|' pipeline segments are kept as given "
+                              f"(PP divides {len(segments)}, VPP = {len(segments)} / PP: validate_args)")
+        elif segments:
+            # (megatron-core 0.16 has no '|' symbol: the planner splits the pattern as MambaStack does)
+            self.notes.append(f"{self._segments_key}: its '|' pipeline segments are left out (megatron-core 0.16 has "
+                              "none); the planner chooses the pipeline split (even, or first / last stage sizes)")
         self.notes.extend(n for n in self.probe.notes if n not in self.notes)
         if self.probe.transformer_impl == "local" or self.probe.attention_backend in ("unfused", "local"):
             self.notes.append("the step-time model assumes fused (flash) attention kernels; the unfused attention "
@@ -252,6 +261,9 @@ class Planner:
             self.notes.append("--tp-comm-overlap is not in the step-time model: TP collectives are charged as exposed")
         self.timer = TimeModel(self.shape, cluster, self.gbs, tp_overlap=tp_overlap)
         self._bounds: dict[tuple, float] = {}
+
+    def _pattern_dest(self) -> str:
+        return "hybrid_layer_pattern" if self.raw.args.get("hybrid_layer_pattern") else "hybrid_override_pattern"
 
     # ---- per candidate ------------------------------------------------------------------------------
     def step_time(self, c: Candidate) -> StepTime:
@@ -553,6 +565,15 @@ class Planner:
             ranked = tie_break(res.entries, lambda e: e.time.seconds, lambda e: key(e.candidate), window)
             res.entries = [dataclasses.replace(e, rank=i + 1) for i, e in enumerate(ranked[:top])]
         res.seconds = _time.perf_counter() - t0
+        if not self.shape.segments and any(e.candidate.segments for e in res.entries):
+            res.notes.append(f"{self.raw.key(self._pattern_dest())}: the layouts with '|' in their flags split your "
+                             "pattern into pipeline segments the planner chose (megatron-core 0.17+ takes virtual "
+                             "stages only so; VPP = segments / PP): paste that --hybrid-layer-pattern in place of "
+                             "yours")
         if not cands:
             res.notes.append("no layout satisfies the constraints and Megatron's divisibility rules")
+            n = len(self.shape.segments)
+            if n:
+                res.notes.append(f"the pattern's {n} '|' segments allow only a PP > 1 dividing {n} (validate_args), "
+                                 f"with {self.cluster.gpus} GPUs divisible by TP x CP x PP: drop or change the '|'")
         return res

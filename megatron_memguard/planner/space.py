@@ -113,6 +113,8 @@ class ModelShape:
     # hybrid / heterogeneous models: every layer's kind (partition.layer_kinds, the FP8 recipe left out: the candidate
     # sets it); () when the layers are alike, or differ only in MoE / GDN (the fields above say how)
     kinds: tuple = ()
+    # a hybrid pattern's '|' pipeline segments as the user gave them (layers per segment); () without '|'
+    segments: tuple[int, ...] = ()
     _per_tp: dict = field(default_factory=dict, compare=False, repr=False)   # memo of per-TP counts
 
     # ---- the model shape, under the planner's names --------------------------------------------
@@ -446,16 +448,18 @@ class ModelShape:
         return self.layer_params_per_rank(tp) - mlp + moe_dense_params_per_rank(self.moe, self.hidden, self.gated, tp)
 
 
-def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
-    """The shape of the model from a probe layout resolved at TP=PP=CP=1."""
+def model_shape(L: Layout, raw: RawConfig, segments: tuple[int, ...] = ()) -> ModelShape:
+    """The shape of the model from a probe layout resolved at TP=PP=CP=1; ``segments``: the layers of each '|'
+    segment of the user's hybrid pattern (taken out of ``raw`` for the probe)."""
     kinds: tuple = ()
     moe = moe_shape_from_args(raw.args, L.num_layers, L.ffn_hidden_size)
     if L.heterogeneous_layers or L.hybrid_layer_pattern:
         # layers of several kinds (planner/hybrid.py): each layer's kind as the estimator builds it
         from ..partition import MLP_MOE, layer_kinds
-        if L.mtp_num_layers:
+        if L.mtp_num_layers and not L.hybrid_layer_pattern:
+            # (a hybrid model's MTP depths are its '/' pattern's layers, planned: TimeModel.mtp_cost)
             from ..errors import NotModelledError
-            raise NotModelledError("--mtp-num-layers", "planning layouts of hybrid or heterogeneous models with "
+            raise NotModelledError("--mtp-num-layers", "planning layouts of heterogeneous models with "
                                    "multi-token prediction depths")
         kinds = tuple(k._replace(quantized=None) for k in layer_kinds(L))
         if moe is not None:
@@ -469,7 +473,7 @@ def model_shape(L: Layout, raw: RawConfig) -> ModelShape:
     inst = raw.args.get("num_distributed_optimizer_instances")
     return ModelShape(layout=L, pad_vocab=bool(pad), fixed_padded_vocab=int(fixed_padded) if fixed_padded else None,
                       moe=moe, instances=int(inst) if inst not in (None, "") else L.num_distributed_optimizer_instances,
-                      kinds=kinds)
+                      kinds=kinds, segments=tuple(segments))
 
 
 @dataclass(frozen=True, init=False)
@@ -498,12 +502,15 @@ class Candidate:
     # layers of each virtual stage, index v * PP + rank (Megatron's global order); () when it follows from
     # stage_layers (one chunk per rank, or the even split)
     chunks: tuple[int, ...] = field(compare=False, hash=False, default=())
+    # a hybrid model's split as Megatron 0.17+ spells it: the --hybrid-layer-pattern with '|' between the PP x VPP
+    # segments (validate_args derives VPP from their count), its '/' MTP depths after them; None: no '|'
+    segments: str | None = None
 
     def __init__(self, tp: int, pp: int, cp: int, vpp: int, first: int | None, last: int | None, sp: bool, mbs: int,
                  recompute: str, dist_opt: bool, dp: int, m: int, stage_layers: tuple[int, ...] = (), ep: int = 1,
                  etp: int = 1, moe: bool = False, fsdp: str | None = None, fp8: str | None = None,
                  acc_emb: bool = False, acc_loss: bool = False, pp_layout: str | None = None,
-                 chunks: tuple[int, ...] = ()) -> None:
+                 chunks: tuple[int, ...] = (), segments: str | None = None) -> None:
         # the fields in the instance dict directly: the generated frozen __init__ calls object.__setattr__ per
         # field, and a search makes tens of thousands of candidates (a third of DeepSeek-V3's plan went there)
         d = self.__dict__
@@ -529,6 +536,7 @@ class Candidate:
         d["acc_loss"] = acc_loss
         d["pp_layout"] = pp_layout
         d["chunks"] = chunks
+        d["segments"] = segments
 
     @property
     def model_parallel(self) -> int:
@@ -553,6 +561,8 @@ class Candidate:
             s += ",account=" + "+".join(w for w, on in (("embedding", self.acc_emb), ("loss", self.acc_loss)) if on)
         if self.pp_layout:
             s += f",layout={self.pp_layout}"
+        if self.segments:
+            s += f",segments={self.segments}"
         if self.fsdp:
             s += f",fsdp={self.fsdp}"
         if self.fp8 is not None:
@@ -567,7 +577,7 @@ class Candidate:
         parts = [f"TP{self.tp}", f"PP{self.pp}" + (f"x{self.vpp}v" if self.vpp > 1 else ""), f"CP{self.cp}"]
         if self.first is not None or self.last is not None:
             parts[1] += f"[{self.first}|..|{self.last}]"
-        elif self.pp_layout or self.acc_emb or self.acc_loss:
+        elif self.pp_layout or self.acc_emb or self.acc_loss or self.segments:
             parts[1] += f"[{self.stage_layers[0]}|..|{self.stage_layers[-1]}]"
         parts.append(f"DP{self.dp}")
         if self.moe:
@@ -596,6 +606,9 @@ class Candidate:
             o.update(expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
         if self.pp_layout:
             o["pipeline_model_parallel_layout"] = self.pp_layout    # (it sets VPP: no VPP flag beside it)
+        elif self.segments:
+            # the pattern's '|' segments set PP's split and VPP (validate_args); the legacy spelling left out
+            o.update(hybrid_layer_pattern=self.segments, hybrid_override_pattern=None)
         elif self.vpp > 1:
             o["num_virtual_stages_per_pipeline_rank"] = self.vpp
         if self.acc_emb:
@@ -665,6 +678,7 @@ class VppSplit:
     acc_emb: bool = False                    # --account-for-embedding/loss-in-pipeline-split
     acc_loss: bool = False
     layout: str | None = None                # --pipeline-model-parallel-layout
+    segments: str | None = None              # a hybrid pattern with '|' (Candidate.segments)
 
 
 def flag_chunks(stages: tuple[int, ...], vpp: int) -> tuple[int, ...]:
@@ -761,6 +775,72 @@ def _uneven_vpp_splits(num_layers: int, pp: int, vpp: int, mtp: int = 0) -> tupl
     return (VppSplit(vpp, _ranks(ch, pp), tuple(ch), layout=_layout_text(ch, mtp)),)
 
 
+def hybrid_pipes(shape: ModelShape) -> bool:
+    """A hybrid pattern may carry '|' pipeline segments: megatron-core 0.17 and later (validate_args derives VPP from
+    their count; 0.16.1's MambaStack._select_layers_for_pipeline_parallel asserts no virtual pipeline, and its
+    pattern has no '|' symbol)."""
+    from packaging.version import Version
+    return Version(str(shape.layout.megatron_version)) >= Version("0.17")
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_text(pattern: str, chunks: tuple[int, ...], suffix: str) -> str:
+    out, at = [], 0
+    for n in chunks:
+        out.append(pattern[at:at + n])
+        at += n
+    return "|".join(out) + suffix
+
+
+def segment_text(shape: ModelShape, chunks: tuple[int, ...]) -> str:
+    """The model's hybrid pattern cut into '|' segments of ``chunks`` layers (index v x PP + rank, the order of
+    select_pipeline_segment's segment_index), its '/' MTP depths after them (parse_hybrid_pattern)."""
+    L = shape.layout
+    suffix = ("/" + L.hybrid_mtp_pattern) * L.mtp_num_layers if L.hybrid_mtp_pattern else ""
+    return _segment_text(L.hybrid_layer_pattern, tuple(chunks), suffix)
+
+
+def hybrid_given_options(shape: ModelShape, pp: int, cons: Constraints, fujii: bool) -> list[tuple]:
+    """The user's '|' segments as the only split on ``pp`` ranks: their count divisible by PP, VPP = count / PP
+    (validate_args, 0.19.2; select_pipeline_segment gives segment v x PP + rank to rank ``rank``, virtual stage
+    ``v``); PP > 1 (the interleaved schedule needs a pipeline). An option as enumerate_pruned lists them."""
+    seg = shape.segments
+    if len(seg) % pp or pp == 1:
+        return []
+    v = len(seg) // pp
+    if (cons.vpp is not None and v not in cons.vpp) or (fujii and v > 1):
+        return []
+    stages = _ranks(list(seg), pp)
+    return [(None, None, stages, [v], VppSplit(v, stages, tuple(seg) if v > 1 else (),
+                                               segments=segment_text(shape, tuple(seg))))]
+
+
+def hybrid_vpp_options(shape: ModelShape, pp: int, cons: Constraints) -> list[tuple]:
+    """Virtual stages of a hybrid pattern without '|' (which megatron-core refuses: select_pipeline_segment raises
+    for a vp_stage without '|'): the planner's own split written as '|' segments, PP x VPP of them. The even split
+    with every VPP dividing L / PP, and where PP x VPP does not divide the layers the chunks of
+    :func:`uneven_vpp_splits` (VPP 2 or --vpp), each as segments."""
+    L = shape.num_layers
+    out: list[tuple] = []
+    if L % pp == 0:
+        per = L // pp
+        for v in _allowed([v for v in divisors(per) if v > 1], cons.vpp):
+            stages = (per,) * pp
+            text = segment_text(shape, (per // v,) * (pp * v))
+            out.append((None, None, stages, [v], VppSplit(v, stages, (), segments=text)))
+    if not cons.uneven:
+        return out
+    seen: set = set()
+    for v in (cons.vpp if cons.vpp is not None else DEFAULT_UNEVEN_VPP):
+        for x in uneven_vpp_splits(L, pp, v):
+            if x.chunks in seen:
+                continue
+            seen.add(x.chunks)
+            text = segment_text(shape, x.chunks)
+            out.append((None, None, x.stages, [v], VppSplit(v, x.stages, x.chunks, segments=text)))
+    return out
+
+
 def _allowed(values: Iterable[int], allowed: tuple[int, ...] | None) -> list[int]:
     return [v for v in values if allowed is None or v in allowed]
 
@@ -840,7 +920,7 @@ def expert_sizes(shape: ModelShape, cluster: Cluster, cons: Constraints, tp: int
     return out
 
 
-_NO_SPLIT_FLAGS = (False, False, None, ())     # a candidate's acc_emb, acc_loss, pp_layout, chunks: none
+_NO_SPLIT_FLAGS = (False, False, None, (), None)    # a candidate's acc_emb, acc_loss, pp_layout, chunks, segments: none
 
 
 def enumerate_space(shape: ModelShape, cluster: Cluster, global_batch_size: int, cons: Constraints,
@@ -873,6 +953,7 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
     moe = shape.moe is not None
     mtp = shape.layout.mtp_num_layers
     hybrid = bool(shape.layout.hybrid_layer_pattern)
+    pipes = hybrid and hybrid_pipes(shape)        # '|' segments: the split written into the pattern (0.17+)
     linear_blocks = any("linear" in (k.mixer, k.mlp) for k in shape.kind_set)
     for tp in tp_values(shape, cluster, cons):
         # megatron-core's own attention (--transformer-impl local) asserts CP = 1, TE's unfused attention has
@@ -897,7 +978,7 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
                 experts = expert_sizes(shape, cluster, cons, tp, pp)
                 if not experts:
                     continue
-                splits = layer_splits(L, pp)
+                splits = layer_splits(L, pp) if not (pipes and shape.segments) else []
                 if fujii or not cons.uneven:
                     splits = [sp_ for sp_ in splits if sp_[0] is None]
                 options: list[tuple] = []      # (first, last, stages, VPPs, VppSplit or None)
@@ -919,9 +1000,14 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
                         for x in uneven_vpp_splits(L, pp, v, mtp):
                             if not any(o[2] == x.stages and v in o[3] for o in options):
                                 options.append((x.first, x.last, x.stages, [v], x))
+                if pipes and shape.segments:
+                    options = hybrid_given_options(shape, pp, cons, fujii)      # the user's '|' segments, as given
+                elif pipes and pp > 1 and not fujii:
+                    options += hybrid_vpp_options(shape, pp, cons)             # virtual stages, written as '|'
                 for first, last, stages, vpps, xs in options:
                     # (acc_emb, acc_loss, pp_layout, chunks), passed by position: tens of thousands of candidates
-                    extra = _NO_SPLIT_FLAGS if xs is None else (xs.acc_emb, xs.acc_loss, xs.layout, xs.chunks)
+                    extra = _NO_SPLIT_FLAGS if xs is None else (xs.acc_emb, xs.acc_loss, xs.layout, xs.chunks,
+                                                                xs.segments)
                     per_dp = global_batch_size // dp if global_batch_size % dp == 0 else 0
                     if not per_dp:
                         continue
@@ -929,7 +1015,7 @@ def enumerate_pruned(shape: ModelShape, cluster: Cluster, global_batch_size: int
                     mbss = _allowed(mbss, cons.mbs)
                     for vpp in vpps:
                         if xs is None and vpp > 1 and first is not None:
-                            extra = (False, False, None, flag_chunks(stages, vpp))
+                            extra = (False, False, None, flag_chunks(stages, vpp), None)
                         elif xs is None:
                             extra = _NO_SPLIT_FLAGS
                         kept: dict[tuple, bool] = {}     # (EP, ETP, distributed optimizer, FSDP) -> prune's answer
@@ -971,9 +1057,11 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
                    cp: int = 1, vpp: int = 1, mbs: int = 1, recompute: str = "none", sp: bool | None = None,
                    dist_opt: bool = True, first: int | None = None, last: int | None = None, ep: int = 1,
                    etp: int | None = None, fsdp: str | None = None, fp8: str | None = None,
-                   layout: str | None = None, acc_emb: bool = False, acc_loss: bool = False) -> Candidate:
+                   layout: str | None = None, acc_emb: bool = False, acc_loss: bool = False,
+                   segments: str | None = None) -> Candidate:
     """One candidate from explicit values (``--explain``); the split is chosen as the search would, or
-    given as first/last sizes, embedding/loss slots (``acc_emb``/``acc_loss``) or a pipeline layout."""
+    given as first/last sizes, embedding/loss slots (``acc_emb``/``acc_loss``), a pipeline layout or (hybrid
+    models) the pattern with '|' segments."""
     world = cluster.gpus
     if recompute not in RECOMPUTE_LEVELS:
         raise ConfigError("--explain", f"recompute must be one of {', '.join(RECOMPUTE_LEVELS)}, got {recompute!r}")
@@ -986,7 +1074,18 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
     if global_batch_size % (mbs * dp):
         raise ConfigError("--explain", f"global batch size {global_batch_size} is not divisible by MBS*DP = {mbs}*{dp}")
     chunks: tuple[int, ...] = ()
-    if layout is not None or acc_emb or acc_loss:
+    if segments is not None:
+        if layout is not None or acc_emb or acc_loss or first is not None or last is not None:
+            raise ConfigError("--explain", "segments, layout, account and first/last are spellings of the split: give one")
+        seg = hybrid_segments(shape, segments, "--explain segments")
+        if pp < 2 or len(seg) % pp:
+            raise ConfigError("--explain", f"segments: {len(seg)} '|' segments need a PP > 1 that divides their count "
+                              f"(validate_args), got pp={pp}")
+        vpp = len(seg) // pp
+        chunks = seg if vpp > 1 else ()
+        stages = _ranks(list(seg), pp)
+        segments = segment_text(shape, seg)
+    elif layout is not None or acc_emb or acc_loss:
         if first is not None or last is not None or (layout is not None and (acc_emb or acc_loss)):
             raise ConfigError("--explain", "layout, account and first/last are three spellings of the split: give one")
         if layout is not None:
@@ -1041,4 +1140,19 @@ def make_candidate(shape: ModelShape, cluster: Cluster, global_batch_size: int, 
         raise ConfigError("--explain", f"fsdp must be one of {', '.join(FSDP_STRATEGIES)} or off, got {fsdp!r}")
     return Candidate(tp, pp, cp, vpp, first, last, sp, mbs, recompute, dist_opt or bool(fsdp), dp,
                      global_batch_size // (mbs * dp), stages, ep, etp if shape.moe else 1, shape.moe is not None,
-                     fsdp=fsdp, fp8=fp8, acc_emb=acc_emb, acc_loss=acc_loss, pp_layout=layout, chunks=chunks)
+                     fsdp=fsdp, fp8=fp8, acc_emb=acc_emb, acc_loss=acc_loss, pp_layout=layout, chunks=chunks,
+                     segments=segments)
+
+
+def hybrid_segments(shape: ModelShape, text: str, key: str) -> tuple[int, ...]:
+    """The layers of each '|' segment of ``text``, a hybrid pattern that must be the model's own with '|' added
+    (anything after '/' is the MTP depths, which the model's pattern fixes)."""
+    main = str(text).split("/")[0]
+    if not shape.layout.hybrid_layer_pattern:
+        raise ConfigError(key, "applies to hybrid models (--hybrid-layer-pattern); this model has no pattern")
+    if not hybrid_pipes(shape):
+        raise ConfigError(key, "'|' segments need megatron-core 0.17 or later (0.16's MambaStack has none)")
+    if main.replace("|", "") != shape.layout.hybrid_layer_pattern:
+        raise ConfigError(key, f"{main!r} without its '|' must be the model's pattern "
+                               f"{shape.layout.hybrid_layer_pattern!r}")
+    return tuple(len(x) for x in main.split("|"))

@@ -601,7 +601,7 @@ class TimeModel:
     def _layers_on(self, c: Candidate, stage: int, layers_in, tag: str) -> int:
         """Layers of one kind (``layers_in(first, count)`` counts them in the global order) on one rank of
         ``stage``: its chunks' slices of the global pattern."""
-        key = (tag, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, stage)
+        key = (tag, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.segments, stage)
         n = self._moe_on.get(key)
         if n is not None:
             return n
@@ -629,7 +629,7 @@ class TimeModel:
         s = self.shape
         if not s.kinds:
             return ()
-        key = ("kinds", c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, stage)
+        key = ("kinds", c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.segments, stage)
         hit = self._moe_on.get(key)
         if hit is None:
             # each of its chunks' slices of the global order (as _layers_on), the counts added kind by kind
@@ -960,13 +960,30 @@ class TimeModel:
         d = s.layout.mtp_num_layers if not s.layout.mtp_use_repeated_layer else min(1, s.layout.mtp_num_layers)
         if not d:
             return 0, 0
-        moe_kind = s.moe is not None and s.moe.pattern[-1]
-        layer = s.moe_layer_params_per_rank(c.tp) if moe_kind else s.layer_params_per_rank(c.tp)
+        runs = self.hybrid_mtp_runs()
+        if runs:
+            # a hybrid model's depth: its '/' pattern's layers, each of its kind (the estimator's recipes)
+            from ..partition import MLP_MOE
+            layer = sum(n * s.kind_params_per_rank(kind, c.tp) for kind, n in runs)
+            n_moe = sum(n for kind, n in runs if kind.mlp == MLP_MOE)
+        else:
+            moe_kind = s.moe is not None and s.moe.pattern[-1]
+            layer = s.moe_layer_params_per_rank(c.tp) if moe_kind else s.layer_params_per_rank(c.tp)
+            n_moe = int(bool(moe_kind))
         dense = d * (layer + 2 * s.hidden * s.hidden // c.tp + 3 * s.hidden)
         if c.pp > 1:
             dense += s.padded_vocab(c.tp) // c.tp * s.hidden
-        experts = d * expert_params_per_rank(s.moe, s.hidden, s.gated, c.ep, c.etp) if moe_kind else 0
+        experts = d * n_moe * expert_params_per_rank(s.moe, s.hidden, s.gated, c.ep, c.etp) if n_moe else 0
         return dense, experts
+
+    def hybrid_mtp_runs(self) -> tuple:
+        """(kind, count) of one MTP depth of a hybrid model, its '/' pattern's layers (estimator/params.py
+        mtp_stack_runs: MultiTokenPredictionLayer builds a HybridStack of one layer per symbol); () otherwise."""
+        s = self.shape
+        if not (s.kinds and s.layout.hybrid_mtp_pattern and s.layout.mtp_num_layers):
+            return ()
+        from ..estimator.params import mtp_stack_runs
+        return mtp_stack_runs(s.layout)
 
     # ---- the step ---------------------------------------------------------------------------------
     def step_time(self, c: Candidate) -> StepTime:
@@ -1122,7 +1139,7 @@ class TimeModel:
     def rank_kinds(self, c: Candidate) -> tuple[tuple[tuple[int, bool, bool, int, int], ...], tuple[int, ...]]:
         """The distinct kinds of pipeline rank of the split, (layers, first, last, MoE layers, GDN layers), and
         each rank's kind."""
-        key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout)
+        key = (c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.segments)
         hit = self._split_moe.get(key)
         if hit is None:
             sigs: list[tuple[int, bool, bool, int, int]] = []
@@ -1137,31 +1154,43 @@ class TimeModel:
         return hit
 
     def mtp_cost(self, c: Candidate, lc: LayerCost, ec: EndsCost, lm: LayerCost | None, rc_layer: float,
-                 rc_moe: float) -> tuple[float, ...]:
+                 rc_moe: float, fp8: bool = False) -> tuple[float, ...]:
         """Per micro-batch, the ``--mtp-num-layers`` depths on the last stage (Megatron builds them there,
         multi_token_prediction.py): (gemm, attention, elementwise, kernel_gaps, recompute, tp_comm, cp_comm,
         ep_comm). Each depth embeds the shifted tokens again (the last stage's own word embedding, with its
         dense weight gradient), normalises it and the hidden state (enorm, hnorm), concatenates them into
         eh_proj (a column-parallel [2h -> h] linear), runs one transformer layer of the last decoder
         layer's kind, a final norm, the output layer and the cross entropy (MultiTokenPredictionLayer,
-        process_mtp_loss; core 0.16.1 and 0.19.2)."""
+        process_mtp_loss; core 0.16.1 and 0.19.2). A hybrid model's depth runs its '/' pattern's layers instead of
+        the transformer layer, each at its kind's cost (:meth:`kind_cost`; core 0.17.1 to 0.19.2)."""
         s = self.shape
         d = s.layout.mtp_num_layers
         if not d:
             return (0.0,) * 8
-        moe_kind = lm is not None and s.moe.pattern[-1]
-        x = lm if moe_kind else lc
-        rc = rc_moe if moe_kind else rc_layer
         M = c.mbs * s.seq_length // c.cp
         tok = M // c.tp if c.sp else M
         proj = sum(linear_seconds(M, s.hidden // c.tp, 2 * s.hidden, self.gpu, s.grad_bytes))
-        gemm, attn, elem, gaps, tpc = x.per_layer
+        runs = self.hybrid_mtp_runs()
+        if runs:
+            gemm = attn = elem = gaps = tpc = rc = cpc = epc = 0.0
+            for kind, n in runs:
+                x = self.kind_cost(kind, c.tp, c.cp, c.mbs, c.sp, fp8, c.ep, c.etp)
+                gemm, attn, elem, gaps, tpc = (a + n * y for a, y in zip((gemm, attn, elem, gaps, tpc), x.per_layer))
+                rc += n * self._recompute_layer(x, c.recompute)[0]
+                cpc += n * (x.cp_fwd + x.cp_bwd)
+                epc += n * (x.ep_fwd + x.ep_bwd)
+        else:
+            moe_kind = lm is not None and s.moe.pattern[-1]
+            x = lm if moe_kind else lc
+            rc = rc_moe if moe_kind else rc_layer
+            gemm, attn, elem, gaps, tpc = x.per_layer
+            cpc, epc = x.cp_fwd + x.cp_bwd, x.ep_fwd + x.ep_bwd
         gemm += proj + ec.out_gemm_fwd + ec.out_gemm_bwd
         elem += ec.emb_fwd + ec.emb_bwd + ec.out_elem + memory_seconds(MTP_ELEM_BYTES * tok * s.hidden * s.act_bytes / 2,
                                                                       self.gpu)
         gaps += MTP_KERNELS * KERNEL_GAP
         tpc += ec.emb_tp + ec.out_tp
-        return tuple(d * v for v in (gemm, attn, elem, gaps, rc, tpc, x.cp_fwd + x.cp_bwd, x.ep_fwd + x.ep_bwd))
+        return tuple(d * v for v in (gemm, attn, elem, gaps, rc, tpc, cpc, epc))
 
     def _rank_rows(self, c: Candidate, sigs, lc: LayerCost, ec: EndsCost, lm: LayerCost | None, rc_layer: float,
                    rc_moe: float, fp8: bool) -> list[tuple[float, ...]]:
@@ -1187,7 +1216,7 @@ class TimeModel:
                 rc = sum(k * r for k, (_, r) in zip(kc, kcosts))
                 cpc = sum(k * (x.cp_fwd + x.cp_bwd) for k, (x, _) in zip(kc, kcosts))
             if last and mtp:
-                mg, ma, me, mk, mr, mt, mc, mp = self.mtp_cost(c, lc, ec, lm, rc_layer, rc_moe)
+                mg, ma, me, mk, mr, mt, mc, mp = self.mtp_cost(c, lc, ec, lm, rc_layer, rc_moe, fp8)
                 gemm, attn, elem, gaps, rc, tpc, cpc, epc = (gemm + mg, attn + ma, elem + me, gaps + mk, rc + mr,
                                                              tpc + mt, cpc + mc, epc + mp)
             kinds.append((gemm + attn + elem + gaps + inp + rc + tpc + cpc + epc,
@@ -1202,7 +1231,7 @@ class TimeModel:
         slowest rank and the sum of the other ranks' totals."""
         # (the split follows from PP, VPP, first, last, the account flags and the layout)
         key = (c.tp, c.cp, c.mbs, c.sp, fp8, c.recompute, c.ep, c.etp, c.pp, c.vpp, c.first, c.last,
-               c.acc_emb, c.acc_loss, c.pp_layout)
+               c.acc_emb, c.acc_loss, c.pp_layout, c.segments)
         hit = self._ranks.get(key)
         if hit is not None:
             return hit
@@ -1341,7 +1370,8 @@ class TimeModel:
         s = self.shape
         shard = max(1, c.dp * c.cp // s.dist_opt_instances) if c.dist_opt else 1
         e_shard = max(1, c.edp // s.dist_opt_instances) if c.dist_opt and s.moe else 1
-        okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, shard, e_shard)
+        okey = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.segments, shard,
+                e_shard)
         elems = self._opt.get(okey)
         if elems is None:
             ranks = self._rank_params(c)
@@ -1355,7 +1385,7 @@ class TimeModel:
     def _rank_params(self, c: Candidate) -> tuple[tuple[int, int], ...]:
         """The distinct (dense, routed-expert) parameter counts of the pipeline ranks, the MTP depths on the
         last (one list per split, whatever the DP shards the optimizer divides them by)."""
-        key = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout)
+        key = (c.tp, c.ep, c.etp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.segments)
         hit = self._ranks_params.get(key)
         if hit is None:
             p, moe = c.pp, self.shape.moe is not None
@@ -1375,8 +1405,8 @@ class TimeModel:
         SP. At thousands of DP ranks the ring's latency alone is milliseconds, and leaving both out let the
         search time most of a large plan's candidates to find them slower than the layouts it ranks."""
         s = self.shape
-        key = (c.tp, c.cp, c.dp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.dist_opt, c.fsdp,
-               c.ep, c.etp, c.m if c.fsdp else 0)
+        key = (c.tp, c.cp, c.dp, c.pp, c.vpp, c.first, c.last, c.acc_emb, c.acc_loss, c.pp_layout, c.segments,
+               c.dist_opt, c.fsdp, c.ep, c.etp, c.m if c.fsdp else 0)
         hit = self._floor.get(key)
         if hit is not None:
             return hit
