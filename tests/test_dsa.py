@@ -413,8 +413,6 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--recompute-granularity", "selective",
-      "--recompute-modules", "core_attn"], "--recompute-modules"),
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
     (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
     (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "--fp8-param-gather"),

@@ -136,6 +136,3 @@ def _context_parallel(a: Args, kw: Mapping[str, Any], mods: Any) -> None:
                                "context parallelism currently supports cp_comm_type=allgather only\")",
                "add --cp-comm-type all_gather")
         return
-    if kw.get("recompute_granularity") == "selective" and {"core_attn", "mla_up_proj"} & set(mods):
-        raise NotModelledError(a.key("recompute_modules"), "recomputing core_attn or mla_up_proj of DSA layers under "
-                               "context parallelism")
