@@ -122,12 +122,13 @@ def _attention_flags(r):
          f"--dsa-indexer-n-heads {r['index_heads']} --dsa-indexer-head-dim {r['index_dim']} "
          f"--dsa-indexer-topk {r['topk']} --dsa-indexer-loss-coeff {r['loss_coeff']} --vocab-size 128 "
          "--no-gradient-accumulation-fusion").split()
-    f += ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"] if r.get("recompute_up") else []
+    mods = sorted(_mods(r))
+    f += ["--recompute-granularity", "selective", "--recompute-modules", *mods] if mods else []
     return f + (["--qk-layernorm"] if r["qk_layernorm"] else [])
 
 
 def _mods(r):
-    return {"mla_up_proj"} if r.get("recompute_up") else set()
+    return {m for m, on in (("mla_up_proj", r.get("recompute_up")), ("core_attn", r.get("recompute_core"))) if on}
 
 
 @pytest.mark.parametrize("name", sorted(ATTENTION))
@@ -137,7 +138,8 @@ def test_whole_attention_layer_matches_the_measured_module(name):
     L = layout_from_flags(_attention_flags(r), world_size=1)
     m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
-    extra = 2 * 4 * r["seq"] * r["rope"] + 16 * r["seq"]   # two fp32 rotary tables (rotary_cache), causal bounds
+    # two fp32 rotary tables (rotary_cache), the causal bounds (made inside a checkpointed core: not kept)
+    extra = 2 * 4 * r["seq"] * r["rope"] + (0 if r.get("recompute_core") else 16 * r["seq"])
     saved = sum(kept.values()) + extra
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps) + extra
     bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
@@ -181,7 +183,7 @@ def test_cp2_allgather_attention_matches_the_measured_rank(name):
     flags = _attention_flags(r) + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
     flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
     L = layout_from_flags(flags, world_size=2 * tp)
-    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
     saved = sum(kept.values())
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
@@ -377,6 +379,47 @@ def test_fp4_estimate_runs():
     assert estimate(L, gpu=lookup_gpu("B200")).stages[0].peak_allocated_bytes > 0
 
 
+PARAM_GATHER = ["--fp8-param-gather", "--use-distributed-optimizer"]
+
+
+def test_primary_fp8_weights_keep_a_dequantized_k_up_weight():
+    # AbsorbedMLA's einsum reads K's up weight, a slice of linear_kv_up_proj's quantized weight; TE 2.20.2's
+    # QuantizedTensor.__torch_dispatch__ dequantizes it for the einsum, whose bmm keeps the BF16 copy. Float8Tensor
+    # slices its FP8 data: K's [heads/TP, qk, kv_lora] = 8 x 64 x 128 x 2 B
+    bf16, fp8 = _saved(_layout(*TENSORWISE)), _saved(_layout(*TENSORWISE, *PARAM_GATHER))
+    assert fp8["dsa_k_up_weight"] == 8 * 64 * 128 * 2
+    assert "dsa_k_up_weight" not in bf16
+    assert {k: v for k, v in fp8.items() if k != "dsa_k_up_weight"} == bf16
+    # MXFP8 and blockwise tensors pass whole slices only: the slice dequantizes the whole per-head weight
+    # [heads/TP, qk + v, kv_lora] (mxfp8_tensor.py; a blockwise weight's 3D view dequantizes, float8_blockwise_tensor.py)
+    mx = _saved(_indexer_heads_32("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", *PARAM_GATHER))
+    assert mx["dsa_k_up_weight"] == 8 * (64 + 64) * 128 * 2
+
+
+def test_primary_fp8_weights_include_the_never_run_kv_up_projection():
+    # TE builds linear_kv_up_proj under fp8_model_init like every TE linear (module/linear.py: init_fp8_metadata,
+    # reset_parameters): its weight sits in the uint8 parameter buffer (1 B instead of 2) and has the tensorwise
+    # recipe state of one module, 5 quantizers x (fp32 scale + fp32 amax) in 512-byte blocks = 5120 B per layer
+    from megatron_memguard.estimator.layers import mlp
+    gpu = lookup_gpu("H100-80GB")
+    terms = [{t.name: t.bytes for t in estimate(_layout(*TENSORWISE, *extra), gpu=gpu).stages[0].terms}
+             for extra in (["--use-distributed-optimizer"], PARAM_GATHER)]
+    assert terms[1]["fp8_scales"] - terms[0]["fp8_scales"] == 4 * 5120
+    L = _layout()
+    shapes = {**dsa.linear_shapes(L), **mlp.linear_shapes(L)}
+    assert shapes["linear_kv_up_proj"] == (8 * (64 + 64), 128)
+    # every TE linear's weight of the 4 layers, kv_up_proj's included, loses one byte per element
+    assert terms[0]["parameters"] - terms[1]["parameters"] == 4 * sum(r * c for r, c in shapes.values())
+
+
+def test_primary_fp4_weights_are_tes_partial_slice_error():
+    # AbsorbedMLA._get_kv_up_weights slices the weight into K and V; TE 2.20.2's NVFP4Tensor raises
+    # NotImplementedError("NVFP4Tensor does not support partial slicing") (nvfp4_tensor.py __torch_dispatch__)
+    with pytest.raises(ConfigError) as e:
+        _indexer_heads_32("--fp4-format", "e2m1", "--fp4-param-gather", "--use-distributed-optimizer")
+    assert "--fp4-param-gather" in str(e.value) and "partial slicing" in str(e.value)
+
+
 def test_estimate_runs_and_the_score_terms_dominate():
     est = estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB"))
     stage = est.stages[0]
@@ -415,7 +458,6 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
 @pytest.mark.parametrize("extra, key", [
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
     (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
-    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "--fp8-param-gather"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
     with pytest.raises(NotModelledError) as e:

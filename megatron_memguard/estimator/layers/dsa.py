@@ -312,7 +312,8 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     # the absorbed query's and the key's gradients, the q up projection's and the latents'
     qh = L.qk_head_dim + pe
     up = Tf * a_t * D * e + Tf * D * e + Tf * a_t * qh * e + Tf * (kvl + pe) * e
-    up_names = {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "up_checkpoint_inputs"}
+    up_names = {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "up_checkpoint_inputs",
+                "dsa_k_up_weight"}
     bwd_steps += (
         (rel_all, G + up + renorm + remade + wgrad(L, a_t * qh, ql or h)
          + wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
