@@ -194,7 +194,8 @@ def test_cp2_allgather_attention_matches_the_measured_rank(name):
     # the probe's .grad tensors at the sparse attention's backward, which Megatron keeps in main_grad or has not made:
     # linear_proj's weight gradient [h, heads/TP x v] and the V up-projection copy's [heads/TP, v, kv_lora]
     grads = (r["hidden"] * r["heads"] // tp * r["v_head"] + r["heads"] // tp * r["v_head"] * r["kv_lora"]) * 2
-    assert r["bwd_peak"] - grads <= bwd <= r["bwd_peak"]
+    # (a checkpointed core's replay with the indexer loss: a few hundred bytes of the loss's scalars, within 0.2%)
+    assert r["bwd_peak"] - grads - 0.002 * r["bwd_peak"] <= bwd <= r["bwd_peak"]
 
 
 def test_cp_needs_the_allgather_communication():
@@ -212,6 +213,30 @@ def test_cp_scores_span_the_whole_key_by_hand():
     assert s["dsa_key"] == 4096 * (128 + 32) * 2                     # the gathered latent key [s, b, 1, D]
     assert s["dsa_cp_key_order"] == 8 * 4096                         # index_select's int64 index, kept for backward
     assert s["dsa_latent_output"] == 2048 * 8 * 128 * 2              # the local query rows
+
+
+CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+
+
+def test_cp_recomputed_core_keeps_the_local_key_by_hand():
+    # tensor_parallel.checkpoint keeps DSAttention's inputs: the rank's 2048 query rows and its own key rows; the
+    # gather over CP and its index_select run inside the core (absorbed_mla.py _checkpointed_attention_forward, dsa.py)
+    L = _layout(*CP2, "--recompute-granularity", "selective", "--recompute-modules", "core_attn", world_size=4)
+    s = _saved(L)
+    assert s["dsa_key"] == 2048 * (128 + 32) * 2                     # [s/CP b, 1, kv_lora + rope], not gathered
+    assert s["dsa_query"] == 2048 * 8 * (128 + 32) * 2
+    assert "dsa_cp_key_order" not in s and "dsa_masks" not in s
+    assert estimate(L, gpu=lookup_gpu("H100-80GB")).stages[0].peak_allocated_bytes > 0
+
+
+def test_cp_recomputed_up_projections_keep_the_gathered_key_by_hand():
+    # CheckpointWithoutOutput frees its outputs, the query and the rank's own key; the value matmul keeps the key
+    # gathered over CP inside DSAttention (not an output of the checkpoint), which stays
+    s = _saved(_layout(*CP2, *UP, world_size=4))
+    assert s["dsa_key"] == 4096 * (128 + 32) * 2                     # the whole sequence
+    assert s["dsa_cp_key_order"] == 8 * 4096
+    assert "query_up" not in s and "rope_cos_sin" not in s
+    assert s["up_checkpoint_inputs"] == 2048 * (128 + 32) * 2        # kv latent and k_pos_emb gathered over TP (SP)
 
 
 def test_the_stored_measurement_is_reproduced():

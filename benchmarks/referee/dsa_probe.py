@@ -12,6 +12,7 @@ the whole AbsorbedMLASelfAttention around it (megatron-core's local parallel lin
 
     /work/venv312/bin/python -m benchmarks.referee.dsa_probe [--seq 64 --heads 4 ...] [--no-loss]
     /work/venv312/bin/python -m benchmarks.referee.dsa_probe --grid benchmarks/results/referee-dsa-measured.json
+    /work/venv312/bin/python -m benchmarks.referee.dsa_probe --grid-add benchmarks/results/referee-dsa-measured.json
 
 Prints one JSON object: the shapes, the indexer's parameter count (its linears sized by DSAIndexer.__init__) and
 {"saved", "fwd_peak", "bwd_peak"} in bytes (each above the inputs).
@@ -274,6 +275,9 @@ ATTENTION_GRID: dict[str, dict[str, Any]] = {
     "up_recompute_noloss": {"loss_coeff": 0.0, "recompute_up": True},
     "up_recompute_latent_norms": {"qk_layernorm": True, "recompute_up": True},
     "up_recompute_batch2_seq128": {"batch": 2, "seq": 128, "recompute_up": True},
+    # --recompute-modules core_attn (tensor_parallel.checkpoint around DSAttention: a no-grad forward, a replay)
+    "core_recompute_loss": {"recompute_core": True},
+    "core_recompute_noloss": {"loss_coeff": 0.0, "recompute_core": True},
 }
 
 
@@ -292,12 +296,22 @@ ATTENTION_CP2_GRID: dict[str, dict[str, Any]] = {
     "loss": {"cp": 2},
     "batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2},
     "tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2},
+    # with core_attn or mla_up_proj recomputed
+    "core_recompute_noloss": {"loss_coeff": 0.0, "cp": 2, "recompute_core": True},
+    "core_recompute_loss": {"cp": 2, "recompute_core": True},
+    "core_recompute_batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2, "recompute_core": True},
+    "core_recompute_tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2, "recompute_core": True},
+    "up_recompute_noloss": {"loss_coeff": 0.0, "cp": 2, "recompute_up": True},
+    "up_recompute_loss": {"cp": 2, "recompute_up": True},
+    "up_recompute_batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2, "recompute_up": True},
+    "up_recompute_tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2, "recompute_up": True},
+    "core_up_recompute_loss": {"cp": 2, "recompute_core": True, "recompute_up": True},
 }
 
 
 def _add_missing(path: str) -> None:
-    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID entries ``path`` lacks and add them to it (the stored
-    ones stay as they are)."""
+    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID / ATTENTION_CP2_GRID entries ``path`` lacks and add them
+    to it (the stored ones stay as they are)."""
     with open(path) as f:
         result = json.load(f)
     for part, grid, run in (("runs", GRID, measure), ("attention", ATTENTION_GRID, measure_attention),
