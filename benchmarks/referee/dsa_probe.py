@@ -321,8 +321,8 @@ def _add_missing(path: str) -> None:
         for name, kw in grid.items():
             if name not in result.setdefault(part, {}):
                 result[part][name] = run(**kw)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+                with open(path, "w") as f:        # after each entry: a long grid keeps what it measured
+                    json.dump(result, f, indent=1)
 
 
 def main() -> None:

@@ -236,22 +236,21 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     # (under CP the value matmul keeps the key gathered over the CP ranks, [s_k b, 1, D], for b = 1; for b > 1 it
     # keeps its copy over the heads, dsa_value_copy, and without the indexer loss (which keeps the key too) the
     # gathered key lives through the core's forward only; the local key lives through the core's forward too)
-    cp_key = 0
     gathered_key_kept = not (L.cp > 1 and x.b > 1 and not loss)
     # the gathered key and the int64 sequence order of it [s_k] its index_select keeps (CP only)
     cp_gathered = (Tf * L.cp * D * e if gathered_key_kept else 0) + 8 * x.s * L.cp if L.cp > 1 else 0
     if recompute_core:
-        # tensor_parallel.checkpoint keeps the core's inputs: the local key; the gather over CP and the index_select
-        # run inside the core (without autograd in the forward: the gathered key and its order are transient)
+        # tensor_parallel.checkpoint keeps the core's inputs: the rank's own key; the gather over CP and the
+        # index_select run inside the core (without autograd in its forward: the gathered key and order are transient)
         saved["dsa_key"] = Tf * D * e
-        if L.cp > 1:
-            cp_key = Tf * L.cp * D * e + 8 * x.s * L.cp - Tf * D * e
-    elif not gathered_key_kept:
-        cp_key = Tf * L.cp * D * e
+        cp_live = Tf * L.cp * D * e + 8 * x.s * L.cp if L.cp > 1 else 0
     else:
-        saved["dsa_key"] = Tf * L.cp * D * e
-    if L.cp > 1 and not recompute_core:
-        saved["dsa_cp_key_order"] = 8 * x.s * L.cp
+        if gathered_key_kept:
+            saved["dsa_key"] = Tf * L.cp * D * e
+        if L.cp > 1:
+            saved["dsa_cp_key_order"] = 8 * x.s * L.cp
+        # the rank's own key, and the gathered one when nothing keeps it, alive through the core's forward
+        cp_live = Tf * D * e + (0 if gathered_key_kept else Tf * L.cp * D * e) if L.cp > 1 else 0
     core_saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_ix = layer_items(L, recompute_core)
     # the indexer's inputs gathered over TP under sequence parallelism (x [s b, h] and qr [s b, q_lora]): kept by
     # its linears when the loss trains it, else freed after the indexer's forward
@@ -271,7 +270,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     remade, key_live, up_fwd = up_proj_checkpoint(L, saved, local_key) if "mla_up_proj" in mods else (0, 0, 0)
     query_live = 0 if "dsa_query" in saved else query_b
     core_names = CORE_NAMES | LOSS_NAMES
-    query_live += key_live + (Tf * D * e + cp_key if L.cp > 1 else 0)
+    query_live += key_live + cp_live
     fwd_steps: tuple[Step, ...] = (
         # the absorbed query being made: the einsum's output [a_t, s b, kv_lora] and its contiguous copy
         (after_attn | core_names, 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e + up_fwd),
