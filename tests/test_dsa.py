@@ -194,8 +194,10 @@ def test_cp2_allgather_attention_matches_the_measured_rank(name):
     # the probe's .grad tensors at the sparse attention's backward, which Megatron keeps in main_grad or has not made:
     # linear_proj's weight gradient [h, heads/TP x v] and the V up-projection copy's [heads/TP, v, kv_lora]
     grads = (r["hidden"] * r["heads"] // tp * r["v_head"] + r["heads"] // tp * r["v_head"] * r["kv_lora"]) * 2
-    # (a checkpointed core's replay with the indexer loss: a few hundred bytes of the loss's scalars, within 0.2%)
-    assert r["bwd_peak"] - grads - 0.002 * r["bwd_peak"] <= bwd <= r["bwd_peak"]
+    # a checkpointed core's replay (tensor_parallel.checkpoint) runs the core's forward again in the backward: it
+    # carries the forward's gap above (2%), which can be the backward's peak
+    slack = 0.02 if r.get("recompute_core") else 0
+    assert r["bwd_peak"] - grads - slack * r["bwd_peak"] <= bwd <= r["bwd_peak"]
 
 
 def test_cp_needs_the_allgather_communication():
