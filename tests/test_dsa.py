@@ -439,6 +439,16 @@ def test_primary_fp8_weights_include_the_never_run_kv_up_projection():
     assert terms[0]["parameters"] - terms[1]["parameters"] == 4 * sum(r * c for r, c in shapes.values())
 
 
+def test_primary_fp8_weights_of_a_dsa_mtp_depth_include_its_kv_up_projection():
+    # the MTP depth's transformer layer is a DSA layer built under the FP8 init context (multi_token_prediction.py):
+    # one more module's tensorwise recipe state (5120 B, as above) per layer, 4 layers + 1 depth
+    gpu = lookup_gpu("H100-80GB")
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--use-distributed-optimizer"]
+    scales = [{t.name: t.bytes for t in estimate(_layout(*TENSORWISE, *mtp, *extra), gpu=gpu).stages[-1].terms}
+              ["fp8_scales"] for extra in ([], ["--fp8-param-gather"])]
+    assert scales[1] - scales[0] == 5 * 5120
+
+
 def test_primary_fp4_weights_are_tes_partial_slice_error():
     # AbsorbedMLA._get_kv_up_weights slices the weight into K and V; TE 2.20.2's NVFP4Tensor raises
     # NotImplementedError("NVFP4Tensor does not support partial slicing") (nvfp4_tensor.py __torch_dispatch__)

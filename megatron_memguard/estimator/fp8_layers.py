@@ -590,7 +590,8 @@ def mtp_gemms(L: Any) -> tuple[Gemm, ...]:
     from .layers.base import shapes
     x = shapes(L)
     h, t = L.hidden_size, L.tp
-    return layer_gemms(L, kind) + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),)
+    return (layer_gemms(L, kind) + dsa_primary_weights(L, kind)
+            + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),))
 
 
 def _cached_elements(gemms: tuple[Gemm, ...]) -> int:
