@@ -144,7 +144,7 @@ def test_whole_attention_layer_matches_the_measured_module(name):
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps) + extra
     bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
     assert saved == pytest.approx(r["saved"], rel=0.005)
-    assert fwd == pytest.approx(r["fwd_peak"], rel=0.01)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.005)
     # the probe's parameters get .grad tensors (linear_proj's and the V up-projection's exist at the peak); Megatron's
     # go to main_grad (gradient_buffer): the recipe is below by those, within 5%
     assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]
@@ -166,7 +166,7 @@ def test_tp2_sequence_parallel_attention_matches_the_measured_rank(name):
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
     bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
     assert saved == pytest.approx(r["saved"], rel=0.005)
-    assert fwd == pytest.approx(r["fwd_peak"], rel=0.015)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.01)
     assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]     # (the probe's .grad tensors, as above)
 
 
@@ -189,14 +189,12 @@ def test_cp2_allgather_attention_matches_the_measured_rank(name):
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
     bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
     assert saved == pytest.approx(r["saved"], rel=0.005)
-    # (the forward's gap is the TP 1 layer's few KiB, at a quarter of its size here)
-    assert fwd == pytest.approx(r["fwd_peak"], rel=0.02)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.01)
     # the probe's .grad tensors at the sparse attention's backward, which Megatron keeps in main_grad or has not made:
     # linear_proj's weight gradient [h, heads/TP x v] and the V up-projection copy's [heads/TP, v, kv_lora]
     grads = (r["hidden"] * r["heads"] // tp * r["v_head"] + r["heads"] // tp * r["v_head"] * r["kv_lora"]) * 2
-    # a checkpointed core's replay (tensor_parallel.checkpoint) runs the core's forward again in the backward: it
-    # carries the forward's gap above (2%), which can be the backward's peak
-    slack = 0.02 if r.get("recompute_core") else 0
+    # (a checkpointed core's replay with the indexer loss: a few hundred bytes of the loss's scalars, within 0.2%)
+    slack = 0.002 if r.get("recompute_core") else 0
     assert r["bwd_peak"] - grads - slack * r["bwd_peak"] <= bwd <= r["bwd_peak"]
 
 

@@ -175,8 +175,9 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     sparse_bwd = 19 * N + b * s_k * D * e
     # without autograd (the checkpointed core's forward), at masked_softmax's last masked_fill: the scores, the
     # masked logits, the probabilities and their masked copy (fp32) with one bool mask, the index mask and its
-    # validity, and the row statistics (measured: 23 bytes a row); the fp32 q and k are freed after the score matmul
-    nograd_fwd = 17 * N + 5 * I + 23 * b * a_t * s
+    # validity, the row statistics (row_has_valid, bool, and row_max, fp32), DSAttention's contiguous V up-weight
+    # copy and the query rows' int64 positions and bounds (3 [s]); the fp32 q and k are freed after the score matmul
+    nograd_fwd = 17 * N + 5 * I + 5 * b * a_t * s + a_t * v * kvl * e + 24 * s
     return saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_indexer
 
 
@@ -197,6 +198,8 @@ CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_pro
                         "dsa_v_up_weight"})
 # made at the value matmul and V's up projection, after the masked softmax; the first freed by the backward
 LATE = frozenset({"dsa_probs", "dsa_value_copy", "dsa_latent_output", "dsa_v_up_weight"})
+# made after the masked softmax (the V up-weight copy is made when DSAttention.forward starts)
+AFTER_SOFTMAX = LATE - {"dsa_v_up_weight"}
 LOSS_NAMES = frozenset({"indexer_qkw", "indexer_topk", "dsa_query", "indexer_inputs"})
 
 
@@ -284,7 +287,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     else:
         if loss:
             fwd_steps += ((after_attn | CORE_NAMES, loss_ws),)
-        fwd_steps += ((after_attn | LATE, query_live + held_b + sparse_fwd),)
+        fwd_steps += ((after_attn | AFTER_SOFTMAX, query_live + held_b + sparse_fwd),)
     rel_proj = released | {"proj_input"}
     renorm = 2 * T * h * e + norm_stats(L, T) if drop_norm1 else 0
     bwd_steps: tuple[Step, ...] = (
@@ -342,6 +345,7 @@ def core_replay_steps(L: Layout, names: frozenset, base: int, indexer_inputs: in
     held_b = sum(held.values())
     idx = rep.get("indexer_qkw", 0) + indexer_inputs
     late = sum(rep.get(k, 0) for k in LATE)
+    after_softmax = sum(rep.get(k, 0) for k in AFTER_SOFTMAX)
     total = sum(rep.values()) + indexer_inputs + cp_gathered
     grad_in = Tf * x.a_t * L.v_head_dim * e       # linear_proj's input gradient, the checkpoint's argument
     out = grad_in                                  # the replay's output, held through the replay's backward
@@ -353,7 +357,7 @@ def core_replay_steps(L: Layout, names: frozenset, base: int, indexer_inputs: in
     if loss:
         steps += ((names, b0 + idx + rep.get("indexer_topk", 0) + loss_ws),)
     steps += (
-        (names, b0 + total - cp_gathered - late + held_b + sparse_fwd),
+        (names, b0 + total - cp_gathered - after_softmax + held_b + sparse_fwd),
         # the replay's backward: V's up projection, the sparse attention, the indexer loss
         (names, base + grad_in + out + total + Tf * x.a_t * L.kv_lora_rank * e),
         (names, base + grad_in + out + total - late + sparse_bwd),
