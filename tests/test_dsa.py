@@ -122,12 +122,13 @@ def _attention_flags(r):
          f"--dsa-indexer-n-heads {r['index_heads']} --dsa-indexer-head-dim {r['index_dim']} "
          f"--dsa-indexer-topk {r['topk']} --dsa-indexer-loss-coeff {r['loss_coeff']} --vocab-size 128 "
          "--no-gradient-accumulation-fusion").split()
-    f += ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"] if r.get("recompute_up") else []
+    mods = sorted(_mods(r))
+    f += ["--recompute-granularity", "selective", "--recompute-modules", *mods] if mods else []
     return f + (["--qk-layernorm"] if r["qk_layernorm"] else [])
 
 
 def _mods(r):
-    return {"mla_up_proj"} if r.get("recompute_up") else set()
+    return {m for m, on in (("mla_up_proj", r.get("recompute_up")), ("core_attn", r.get("recompute_core"))) if on}
 
 
 @pytest.mark.parametrize("name", sorted(ATTENTION))
@@ -137,12 +138,13 @@ def test_whole_attention_layer_matches_the_measured_module(name):
     L = layout_from_flags(_attention_flags(r), world_size=1)
     m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
-    extra = 2 * 4 * r["seq"] * r["rope"] + 16 * r["seq"]   # two fp32 rotary tables (rotary_cache), causal bounds
+    # two fp32 rotary tables (rotary_cache), the causal bounds (made inside a checkpointed core: not kept)
+    extra = 2 * 4 * r["seq"] * r["rope"] + (0 if r.get("recompute_core") else 16 * r["seq"])
     saved = sum(kept.values()) + extra
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps) + extra
     bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
     assert saved == pytest.approx(r["saved"], rel=0.005)
-    assert fwd == pytest.approx(r["fwd_peak"], rel=0.01)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.005)
     # the probe's parameters get .grad tensors (linear_proj's and the V up-projection's exist at the peak); Megatron's
     # go to main_grad (gradient_buffer): the recipe is below by those, within 5%
     assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]
@@ -164,7 +166,7 @@ def test_tp2_sequence_parallel_attention_matches_the_measured_rank(name):
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
     bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
     assert saved == pytest.approx(r["saved"], rel=0.005)
-    assert fwd == pytest.approx(r["fwd_peak"], rel=0.015)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.01)
     assert r["bwd_peak"] * 0.95 <= bwd <= r["bwd_peak"]     # (the probe's .grad tensors, as above)
 
 
@@ -181,18 +183,19 @@ def test_cp2_allgather_attention_matches_the_measured_rank(name):
     flags = _attention_flags(r) + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
     flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
     L = layout_from_flags(flags, world_size=2 * tp)
-    m = dsa.activations(L, set(), True, False, frozenset(), frozenset(), 0)
+    m = dsa.activations(L, _mods(r), True, False, frozenset(), frozenset(), 0)
     kept = {k: v for k, v in m.saved.items() if k not in ("norm1_stats", "qkv_input")}
     saved = sum(kept.values())
     fwd = max(sum(v for k, v in kept.items() if k not in names) + w for names, w in m.fwd_steps)
     bwd = max(w - sum(kept.get(k, 0) for k in names) for names, w in m.bwd_steps)
     assert saved == pytest.approx(r["saved"], rel=0.005)
-    # (the forward's gap is the TP 1 layer's few KiB, at a quarter of its size here)
-    assert fwd == pytest.approx(r["fwd_peak"], rel=0.02)
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.01)
     # the probe's .grad tensors at the sparse attention's backward, which Megatron keeps in main_grad or has not made:
     # linear_proj's weight gradient [h, heads/TP x v] and the V up-projection copy's [heads/TP, v, kv_lora]
     grads = (r["hidden"] * r["heads"] // tp * r["v_head"] + r["heads"] // tp * r["v_head"] * r["kv_lora"]) * 2
-    assert r["bwd_peak"] - grads <= bwd <= r["bwd_peak"]
+    # (a checkpointed core's replay with the indexer loss: a few hundred bytes of the loss's scalars, within 0.2%)
+    slack = 0.002 if r.get("recompute_core") else 0
+    assert r["bwd_peak"] - grads - slack * r["bwd_peak"] <= bwd <= r["bwd_peak"]
 
 
 def test_cp_needs_the_allgather_communication():
@@ -210,6 +213,30 @@ def test_cp_scores_span_the_whole_key_by_hand():
     assert s["dsa_key"] == 4096 * (128 + 32) * 2                     # the gathered latent key [s, b, 1, D]
     assert s["dsa_cp_key_order"] == 8 * 4096                         # index_select's int64 index, kept for backward
     assert s["dsa_latent_output"] == 2048 * 8 * 128 * 2              # the local query rows
+
+
+CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+
+
+def test_cp_recomputed_core_keeps_the_local_key_by_hand():
+    # tensor_parallel.checkpoint keeps DSAttention's inputs: the rank's 2048 query rows and its own key rows; the
+    # gather over CP and its index_select run inside the core (absorbed_mla.py _checkpointed_attention_forward, dsa.py)
+    L = _layout(*CP2, "--recompute-granularity", "selective", "--recompute-modules", "core_attn", world_size=4)
+    s = _saved(L)
+    assert s["dsa_key"] == 2048 * (128 + 32) * 2                     # [s/CP b, 1, kv_lora + rope], not gathered
+    assert s["dsa_query"] == 2048 * 8 * (128 + 32) * 2
+    assert "dsa_cp_key_order" not in s and "dsa_masks" not in s
+    assert estimate(L, gpu=lookup_gpu("H100-80GB")).stages[0].peak_allocated_bytes > 0
+
+
+def test_cp_recomputed_up_projections_keep_the_gathered_key_by_hand():
+    # CheckpointWithoutOutput frees its outputs, the query and the rank's own key; the value matmul keeps the key
+    # gathered over CP inside DSAttention (not an output of the checkpoint), which stays
+    s = _saved(_layout(*CP2, *UP, world_size=4))
+    assert s["dsa_key"] == 4096 * (128 + 32) * 2                     # the whole sequence
+    assert s["dsa_cp_key_order"] == 8 * 4096
+    assert "query_up" not in s and "rope_cos_sin" not in s
+    assert s["up_checkpoint_inputs"] == 2048 * (128 + 32) * 2        # kv latent and k_pos_emb gathered over TP (SP)
 
 
 def test_the_stored_measurement_is_reproduced():
@@ -377,6 +404,57 @@ def test_fp4_estimate_runs():
     assert estimate(L, gpu=lookup_gpu("B200")).stages[0].peak_allocated_bytes > 0
 
 
+PARAM_GATHER = ["--fp8-param-gather", "--use-distributed-optimizer"]
+
+
+def test_primary_fp8_weights_keep_a_dequantized_k_up_weight():
+    # AbsorbedMLA's einsum reads K's up weight, a slice of linear_kv_up_proj's quantized weight; TE 2.20.2's
+    # QuantizedTensor.__torch_dispatch__ dequantizes it for the einsum, whose bmm keeps the BF16 copy. Float8Tensor
+    # slices its FP8 data: K's [heads/TP, qk, kv_lora] = 8 x 64 x 128 x 2 B
+    bf16, fp8 = _saved(_layout(*TENSORWISE)), _saved(_layout(*TENSORWISE, *PARAM_GATHER))
+    assert fp8["dsa_k_up_weight"] == 8 * 64 * 128 * 2
+    assert "dsa_k_up_weight" not in bf16
+    assert {k: v for k, v in fp8.items() if k != "dsa_k_up_weight"} == bf16
+    # MXFP8 and blockwise tensors pass whole slices only: the slice dequantizes the whole per-head weight
+    # [heads/TP, qk + v, kv_lora] (mxfp8_tensor.py; a blockwise weight's 3D view dequantizes, float8_blockwise_tensor.py)
+    mx = _saved(_indexer_heads_32("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", *PARAM_GATHER))
+    assert mx["dsa_k_up_weight"] == 8 * (64 + 64) * 128 * 2
+
+
+def test_primary_fp8_weights_include_the_never_run_kv_up_projection():
+    # TE builds linear_kv_up_proj under fp8_model_init like every TE linear (module/linear.py: init_fp8_metadata,
+    # reset_parameters): its weight sits in the uint8 parameter buffer (1 B instead of 2) and has the tensorwise
+    # recipe state of one module, 5 quantizers x (fp32 scale + fp32 amax) in 512-byte blocks = 5120 B per layer
+    from megatron_memguard.estimator.layers import mlp
+    gpu = lookup_gpu("H100-80GB")
+    terms = [{t.name: t.bytes for t in estimate(_layout(*TENSORWISE, *extra), gpu=gpu).stages[0].terms}
+             for extra in (["--use-distributed-optimizer"], PARAM_GATHER)]
+    assert terms[1]["fp8_scales"] - terms[0]["fp8_scales"] == 4 * 5120
+    L = _layout()
+    shapes = {**dsa.linear_shapes(L), **mlp.linear_shapes(L)}
+    assert shapes["linear_kv_up_proj"] == (8 * (64 + 64), 128)
+    # every TE linear's weight of the 4 layers, kv_up_proj's included, loses one byte per element
+    assert terms[0]["parameters"] - terms[1]["parameters"] == 4 * sum(r * c for r, c in shapes.values())
+
+
+def test_primary_fp8_weights_of_a_dsa_mtp_depth_include_its_kv_up_projection():
+    # the MTP depth's transformer layer is a DSA layer built under the FP8 init context (multi_token_prediction.py):
+    # one more module's tensorwise recipe state (5120 B, as above) per layer, 4 layers + 1 depth
+    gpu = lookup_gpu("H100-80GB")
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--use-distributed-optimizer"]
+    scales = [{t.name: t.bytes for t in estimate(_layout(*TENSORWISE, *mtp, *extra), gpu=gpu).stages[-1].terms}
+              ["fp8_scales"] for extra in ([], ["--fp8-param-gather"])]
+    assert scales[1] - scales[0] == 5 * 5120
+
+
+def test_primary_fp4_weights_are_tes_partial_slice_error():
+    # AbsorbedMLA._get_kv_up_weights slices the weight into K and V; TE 2.20.2's NVFP4Tensor raises
+    # NotImplementedError("NVFP4Tensor does not support partial slicing") (nvfp4_tensor.py __torch_dispatch__)
+    with pytest.raises(ConfigError) as e:
+        _indexer_heads_32("--fp4-format", "e2m1", "--fp4-param-gather", "--use-distributed-optimizer")
+    assert "--fp4-param-gather" in str(e.value) and "partial slicing" in str(e.value)
+
+
 def test_estimate_runs_and_the_score_terms_dominate():
     est = estimate(_layout(*LOSS), gpu=lookup_gpu("H100-80GB"))
     stage = est.stages[0]
@@ -413,11 +491,8 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--recompute-granularity", "selective",
-      "--recompute-modules", "core_attn"], "--recompute-modules"),
     (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
     (["--dsa-indexer-topk-freq", "2"], "--dsa-indexer-topk-freq"),
-    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "--fp8-param-gather"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
     with pytest.raises(NotModelledError) as e:

@@ -12,6 +12,7 @@ the whole AbsorbedMLASelfAttention around it (megatron-core's local parallel lin
 
     /work/venv312/bin/python -m benchmarks.referee.dsa_probe [--seq 64 --heads 4 ...] [--no-loss]
     /work/venv312/bin/python -m benchmarks.referee.dsa_probe --grid benchmarks/results/referee-dsa-measured.json
+    /work/venv312/bin/python -m benchmarks.referee.dsa_probe --grid-add benchmarks/results/referee-dsa-measured.json
 
 Prints one JSON object: the shapes, the indexer's parameter count (its linears sized by DSAIndexer.__init__) and
 {"saved", "fwd_peak", "bwd_peak"} in bytes (each above the inputs).
@@ -144,12 +145,13 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
                       kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
                       index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01,
                       qk_layernorm: bool = False, tp: int = 1, recompute_up: bool = False,
-                      cp: int = 1) -> dict[str, Any]:
+                      cp: int = 1, recompute_core: bool = False) -> dict[str, Any]:
     """The whole AbsorbedMLASelfAttention (DSA's attention layer without its input norm) on one gloo rank, TP 1:
     megatron-core's local ColumnParallelLinear / RowParallelLinear for the projections, LayerNorms for the latent
     norms (with ``qk_layernorm``), the real DSAttention and DSAIndexer as in ``measure``. Input: the input norm's
     output [s, b, h]. ``recompute_up``: ``--recompute-modules mla_up_proj`` (the query and key made under
-    CheckpointWithoutOutput, freed after the core and remade in the backward). Returns the bytes kept after the forward
+    CheckpointWithoutOutput, freed after the core and remade in the backward); ``recompute_core``: ``--recompute-modules
+    core_attn`` (DSAttention under tensor_parallel.checkpoint, run without autograd and replayed in the backward). Returns the bytes kept after the forward
     (without the output) and the two peaks."""
     import torch
     from megatron.core import parallel_state
@@ -182,7 +184,9 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
         transformer_impl="local", qk_layernorm=qk_layernorm, gradient_accumulation_fusion=False,
         normalization="LayerNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         context_parallel_size=cp, cp_comm_type="allgather" if cp > 1 else "p2p",
-        **(dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]) if recompute_up else {}))
+        **(dict(recompute_granularity="selective",
+                recompute_modules=["mla_up_proj"] * recompute_up + ["core_attn"] * recompute_core)
+           if recompute_up or recompute_core else {}))
     core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
         module=DSAIndexer, submodules=DSAIndexerSubmodules(linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm,
                                                            linear_weights_proj=Lin))))
@@ -217,7 +221,8 @@ def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int
             "rope": rope, "v_head": v_head, "qk_head": qk_head, "index_heads": index_heads, "index_dim": index_dim,
             "topk": topk, "loss_coeff": loss_coeff, "qk_layernorm": qk_layernorm, "tp": tp,
             **({"cp": cp, "seq": seq * cp} if cp > 1 else {}),
-            **({"recompute_up": True} if recompute_up else {}), "saved": saved,
+            **({"recompute_up": True} if recompute_up else {}),
+            **({"recompute_core": True} if recompute_core else {}), "saved": saved,
             "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
             "bwd_peak": tracker.region_result("bwd")["peak_bytes"] - after_grad}
 
@@ -270,6 +275,9 @@ ATTENTION_GRID: dict[str, dict[str, Any]] = {
     "up_recompute_noloss": {"loss_coeff": 0.0, "recompute_up": True},
     "up_recompute_latent_norms": {"qk_layernorm": True, "recompute_up": True},
     "up_recompute_batch2_seq128": {"batch": 2, "seq": 128, "recompute_up": True},
+    # --recompute-modules core_attn (tensor_parallel.checkpoint around DSAttention: a no-grad forward, a replay)
+    "core_recompute_loss": {"recompute_core": True},
+    "core_recompute_noloss": {"loss_coeff": 0.0, "recompute_core": True},
 }
 
 
@@ -288,12 +296,22 @@ ATTENTION_CP2_GRID: dict[str, dict[str, Any]] = {
     "loss": {"cp": 2},
     "batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2},
     "tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2},
+    # with core_attn or mla_up_proj recomputed
+    "core_recompute_noloss": {"loss_coeff": 0.0, "cp": 2, "recompute_core": True},
+    "core_recompute_loss": {"cp": 2, "recompute_core": True},
+    "core_recompute_batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2, "recompute_core": True},
+    "core_recompute_tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2, "recompute_core": True},
+    "up_recompute_noloss": {"loss_coeff": 0.0, "cp": 2, "recompute_up": True},
+    "up_recompute_loss": {"cp": 2, "recompute_up": True},
+    "up_recompute_batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128, "cp": 2, "recompute_up": True},
+    "up_recompute_tp2_noloss": {"loss_coeff": 0.0, "cp": 2, "tp": 2, "recompute_up": True},
+    "core_up_recompute_loss": {"cp": 2, "recompute_core": True, "recompute_up": True},
 }
 
 
 def _add_missing(path: str) -> None:
-    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID entries ``path`` lacks and add them to it (the stored
-    ones stay as they are)."""
+    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID / ATTENTION_CP2_GRID entries ``path`` lacks and add them
+    to it (the stored ones stay as they are)."""
     with open(path) as f:
         result = json.load(f)
     for part, grid, run in (("runs", GRID, measure), ("attention", ATTENTION_GRID, measure_attention),
@@ -303,8 +321,8 @@ def _add_missing(path: str) -> None:
         for name, kw in grid.items():
             if name not in result.setdefault(part, {}):
                 result[part][name] = run(**kw)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+                with open(path, "w") as f:        # after each entry: a long grid keeps what it measured
+                    json.dump(result, f, indent=1)
 
 
 def main() -> None:

@@ -302,6 +302,35 @@ def dsa_gemms(gemms: tuple[Gemm, ...], Tf: int) -> tuple[Gemm, ...]:
                  for g in gemms if g.name != "linear_kv_up_proj")
 
 
+def dsa_primary_weights(L: Any, kind: Any) -> tuple[Gemm, ...]:
+    """A DSA layer's linear_kv_up_proj under primary quantized weights (``--fp8-param-gather``): never run as a module
+    (``dsa_gemms``), yet built under fp8_model_init like every TE linear (TE 2.20.2 module/linear.py: its __init__
+    calls init_fp8_metadata and reset_parameters makes the weight a quantized tensor), so its weight takes the
+    parameter buffer's bytes, TE storage and recipe state of any primary weight (no saved input, no workspace)."""
+    from ..partition import MIXER_DSA
+    if kind.mixer != MIXER_DSA or not L.fp8_spec.primary_weights_quantized:
+        return ()
+    from .layers import mixer_recipe
+    rows, cols = mixer_recipe(kind).linear_shapes(L)["linear_kv_up_proj"]
+    return (Gemm("linear_kv_up_proj", rows, cols),)
+
+
+def dsa_k_up_weight(spec: Fp8Spec, L: Any, act_bytes: int) -> int:
+    """``dsa_k_up_weight``: under primary quantized weights AbsorbedMLA's einsum folding K's up projection into the
+    query reads a quantized weight (_get_kv_up_weights: a view and a slice of linear_kv_up_proj's); TE's
+    QuantizedTensor.__torch_dispatch__ (TE 2.20.2 quantized_tensor.py) dequantizes it for the ops it does not handle,
+    and the einsum's bmm keeps that BF16 copy for the query's gradient, per micro-batch. Float8Tensor (delayed,
+    tensorwise) slices its FP8 data (float8_tensor.py), so the copy is K's [heads/TP, qk, kv_lora]; MXFP8 and blockwise
+    tensors only pass whole slices, so the slice itself dequantizes the whole per-head weight [heads/TP, qk + v,
+    kv_lora], which the kept slice holds. (V's up weight: DSAttention's contiguous copy is dequantized in turn, the same
+    BF16 bytes as with BF16 weights, ``dsa_v_up_weight``.)"""
+    if not spec.primary_weights_quantized:
+        return 0
+    from .layers.base import shapes
+    width = L.qk_head_dim + (L.v_head_dim if spec.recipe in ("mxfp8", "blockwise") else 0)
+    return shapes(L).a_t * width * L.kv_lora_rank * act_bytes
+
+
 def dsa_saved_overrides(spec: Fp8Spec, L: Any, gemms: tuple[Gemm, ...], saved: Mapping[str, int], *,
                         act_bytes: int, non_tn: bool = False) -> dict[str, int]:
     """A DSA layer's saved tensors that differ from ``saved_overrides``' MLA reading (estimator/layers/dsa.py names):
@@ -314,7 +343,9 @@ def dsa_saved_overrides(spec: Fp8Spec, L: Any, gemms: tuple[Gemm, ...], saved: M
       on all Tf tokens (DSAIndexer gathers them under sequence parallelism); with or without SP.
     * ``dsa_core_inputs`` (core_attn recomputed): tensor_parallel.checkpoint keeps DSAttention's inputs x (the input
       norm's output, unless 'layernorm' recompute discards it) and qr (q_compressed) in BF16, which the quantizing
-      projections no longer keep (qr is x without --q-lora-rank)."""
+      projections no longer keep (qr is x without --q-lora-rank).
+    * ``dsa_k_up_weight`` (primary quantized weights): the dequantized K up-projection weight the absorption's einsum
+      keeps (``dsa_k_up_weight``)."""
     from .layers.base import selective_modules, shapes
     g = {x.name: x for x in gemms}
 
@@ -331,6 +362,8 @@ def dsa_saved_overrides(spec: Fp8Spec, L: Any, gemms: tuple[Gemm, ...], saved: M
     if L.dsa_indexer_loss_coeff > 0 and "core_attn" not in mods:
         out["indexer_inputs"] = sum(q(n) for n in ("indexer_linear_wq_b", "indexer_linear_wk",
                                                    "indexer_linear_weights_proj"))
+    if spec.primary_weights_quantized:
+        out["dsa_k_up_weight"] = dsa_k_up_weight(spec, L, act_bytes)
     if "core_attn" in mods:
         x = shapes(L)
         ql = L.q_lora_rank
@@ -557,7 +590,8 @@ def mtp_gemms(L: Any) -> tuple[Gemm, ...]:
     from .layers.base import shapes
     x = shapes(L)
     h, t = L.hidden_size, L.tp
-    return layer_gemms(L, kind) + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),)
+    return (layer_gemms(L, kind) + dsa_primary_weights(L, kind)
+            + (Gemm("eh_proj", h // t, 2 * h, x.T, L.sequence_parallel and t > 1),))
 
 
 def _cached_elements(gemms: tuple[Gemm, ...]) -> int:
@@ -598,6 +632,7 @@ def stage_terms(L: Any, chunks: Any, gpu_name: str | None) -> tuple[int, list[An
             layers += n
             cache += n * weight_cache_bytes(spec, module_gemms(L, g), non_tn=non_tn)
             cached += n * _cached_elements(module_gemms(L, g))
+            g = g + dsa_primary_weights(L, kind)
             colw += n * (primary_weight_scale_bytes(spec, g, non_tn=non_tn) if fsdp else
                          primary_weight_extra_bytes(spec, g, non_tn=non_tn, distributed_optimizer=dist or keep))
             scales += n * layer_recipe_state_bytes(spec, g)

@@ -97,12 +97,15 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                                     "projections)", "drop mla_up_proj from --recompute-modules")
     elif quantized:
         # estimated (estimator/fp8_layers.py dsa_saved_overrides): the TE linears quantize, the einsums and DSAttention
-        # stay BF16. Primary quantized weights are not: AbsorbedMLA reads linear_kv_up_proj's weight in its einsums
-        # (_get_kv_up_weights' view and slices of a QuantizedTensor), a path not read
-        for dest in ("fp8_param_gather", "fp4_param_gather"):
-            if kw.get(dest):
-                raise NotModelledError(a.key(dest), "primary FP8 / FP4 weights with DSA (AbsorbedMLA's einsums read "
-                                       "linear_kv_up_proj's quantized weight)")
+        # stay BF16; with primary FP8 weights the einsums read linear_kv_up_proj's quantized weight, which TE
+        # dequantizes (dsa_k_up_weight, dsa_primary_weights)
+        if quantized == "fp4" and kw.get("fp4_param_gather"):
+            # AbsorbedMLA._get_kv_up_weights slices the [heads, qk + v, kv_lora] view of the weight; TE 2.20.2's
+            # NVFP4Tensor.__torch_dispatch__ raises NotImplementedError on a partial slice (nvfp4_tensor.py)
+            a.fail("fp4_param_gather", "does not work with DSA: AbsorbedMLA slices linear_kv_up_proj's weight into K "
+                                       "and V up projections, and Transformer Engine's NVFP4Tensor raises \"does not "
+                                       "support partial slicing\" (NVFP4 primary weights)",
+                   "drop --fp4-param-gather")
         if kw.get("fp8_dot_product_attention"):
             # get_dsa_module_spec_for_backend builds DSAttention whatever the backend: no TE DotProductAttention
             a.notes.append(f"{a.key('fp8_dot_product_attention')}: no effect on DSA layers (DSAttention is PyTorch "
@@ -136,6 +139,3 @@ def _context_parallel(a: Args, kw: Mapping[str, Any], mods: Any) -> None:
                                "context parallelism currently supports cp_comm_type=allgather only\")",
                "add --cp-comm-type all_gather")
         return
-    if kw.get("recompute_granularity") == "selective" and {"core_attn", "mla_up_proj"} & set(mods):
-        raise NotModelledError(a.key("recompute_modules"), "recomputing core_attn or mla_up_proj of DSA layers under "
-                               "context parallelism")

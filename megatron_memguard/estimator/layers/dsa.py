@@ -123,13 +123,15 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     # (under CP the indexer's k is gathered over the CP ranks and put in sequence order: [s_k b, head dim])
     idx = (Tf * (nh * hd + nh) + b * s_k * hd) * e
     topk_b = b * s * topk * 8                      # int64 [b, s, topk]
-    if loss:
+    if loss and not recompute_core:
         # k_norm's input: the wk output, or its fp32 copy with --dsa-indexer-k-norm-fp32
         saved["indexer_qkw"] = idx + Tf * hd * (4 if k_norm_fp32 else e) + Tf * 8 + 4 * s * pe * e
         saved["indexer_topk"] = topk_b
         # the loss function keeps the (detached) query; the latent key it keeps is the one the value view keeps
         saved["dsa_query"] = Tf * a_t * D * e
     else:
+        # (a checkpointed core's forward runs without autograd: DSAttention computes no indexer loss there, its
+        # replay does)
         held["indexer_qkw"] = idx
         held["indexer_topk"] = topk_b
     # the indexer's scores (_compute_index_scores, fp32): the einsum of q and k cast to fp32 into X = [s, b, heads, s],
@@ -147,9 +149,7 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     loss_ws = 17 * N + 14 * I if loss else 0
     if recompute_core:
         # tensor_parallel.checkpoint keeps the core's inputs (query, key, x, qr); the query is otherwise dropped
-        saved.setdefault("dsa_query", Tf * a_t * D * e)
-        for k in ("indexer_qkw", "indexer_topk"):
-            saved.pop(k, None)
+        saved["dsa_query"] = Tf * a_t * D * e
     else:
         # _unfused_absorbed_dsa_fn: matmul keeps q.float() [b, a_t, s, D] and k.float() [b, 1, D, s]; masked_softmax
         # keeps its exp and its division's input (fp32) and three ~valid_mask bool tensors, with small row
@@ -173,9 +173,11 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     # its backward: five fp32 [b, a_t, s, s] gradients of the softmax chain at once, less the bool mask and the bf16
     # probabilities already freed (released names), the key's gradient through the value slice
     sparse_bwd = 19 * N + b * s_k * D * e
-    # without autograd (the checkpointed core's forward): q and k in fp32, the scores, the masked logits, the
-    # softmax's output and its masked copy with one bool mask, the index mask and its validity
-    nograd_fwd = 4 * (Tf * a_t + b * s_k) * D + 17 * N + 5 * I
+    # without autograd (the checkpointed core's forward), at masked_softmax's last masked_fill: the scores, the
+    # masked logits, the probabilities and their masked copy (fp32) with one bool mask, the index mask and its
+    # validity, the row statistics (row_has_valid, bool, and row_max, fp32), DSAttention's contiguous V up-weight
+    # copy and the query rows' int64 positions and bounds (3 [s]); the fp32 q and k are freed after the score matmul
+    nograd_fwd = 17 * N + 5 * I + 5 * b * a_t * s + a_t * v * kvl * e + 24 * s
     return saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_indexer
 
 
@@ -196,6 +198,8 @@ CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_pro
                         "dsa_v_up_weight"})
 # made at the value matmul and V's up projection, after the masked softmax; the first freed by the backward
 LATE = frozenset({"dsa_probs", "dsa_value_copy", "dsa_latent_output", "dsa_v_up_weight"})
+# made after the masked softmax (the V up-weight copy is made when DSAttention.forward starts)
+AFTER_SOFTMAX = LATE - {"dsa_v_up_weight"}
 LOSS_NAMES = frozenset({"indexer_qkw", "indexer_topk", "dsa_query", "indexer_inputs"})
 
 
@@ -234,16 +238,22 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     # the latent key [s b, 1, kv_lora + rope]: the value is its first kv_lora channels, kept by the value matmul
     # (under CP the value matmul keeps the key gathered over the CP ranks, [s_k b, 1, D], for b = 1; for b > 1 it
     # keeps its copy over the heads, dsa_value_copy, and without the indexer loss (which keeps the key too) the
-    # gathered key lives through the core's forward only (a checkpointed core is refused under CP); the local key
-    # lives through the core's forward too)
-    cp_key = 0
-    if L.cp > 1 and x.b > 1 and not loss:
-        cp_key = Tf * L.cp * D * e
+    # gathered key lives through the core's forward only; the local key lives through the core's forward too)
+    gathered_key_kept = not (L.cp > 1 and x.b > 1 and not loss)
+    # the gathered key and the int64 sequence order of it [s_k] its index_select keeps (CP only)
+    cp_gathered = (Tf * L.cp * D * e if gathered_key_kept else 0) + 8 * x.s * L.cp if L.cp > 1 else 0
+    if recompute_core:
+        # tensor_parallel.checkpoint keeps the core's inputs: the rank's own key; the gather over CP and the
+        # index_select run inside the core (without autograd in its forward: the gathered key and order are transient)
+        saved["dsa_key"] = Tf * D * e
+        cp_live = Tf * L.cp * D * e + 8 * x.s * L.cp if L.cp > 1 else 0
     else:
-        saved["dsa_key"] = Tf * L.cp * D * e
-    if L.cp > 1:
-        # the key's index_select keeps its index, the int64 sequence order of the gathered key [s_k]
-        saved["dsa_cp_key_order"] = 8 * x.s * L.cp
+        if gathered_key_kept:
+            saved["dsa_key"] = Tf * L.cp * D * e
+        if L.cp > 1:
+            saved["dsa_cp_key_order"] = 8 * x.s * L.cp
+        # the rank's own key, and the gathered one when nothing keeps it, alive through the core's forward
+        cp_live = Tf * D * e + (0 if gathered_key_kept else Tf * L.cp * D * e) if L.cp > 1 else 0
     core_saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_ix = layer_items(L, recompute_core)
     # the indexer's inputs gathered over TP under sequence parallelism (x [s b, h] and qr [s b, q_lora]): kept by
     # its linears when the loss trains it, else freed after the indexer's forward
@@ -258,10 +268,12 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     query_b = Tf * a_t * D * e                                # the absorbed query (alive through the core's forward)
     # --recompute-modules mla_up_proj: the query and key are made under CheckpointWithoutOutput and freed after the
     # core (up_proj_checkpoint); remade before V's up projection's backward, they live until the checkpoint's backward
-    remade, key_live, up_fwd = up_proj_checkpoint(L, saved) if "mla_up_proj" in mods else (0, 0, 0)
+    # (the saved key is the checkpoint's output at CP 1 or when a checkpointed core keeps it; else the gathered one)
+    local_key = "dsa_key" in saved and (L.cp == 1 or recompute_core)
+    remade, key_live, up_fwd = up_proj_checkpoint(L, saved, local_key) if "mla_up_proj" in mods else (0, 0, 0)
     query_live = 0 if "dsa_query" in saved else query_b
     core_names = CORE_NAMES | LOSS_NAMES
-    query_live += key_live + (Tf * D * e + cp_key if L.cp > 1 else 0)
+    query_live += key_live + cp_live
     fwd_steps: tuple[Step, ...] = (
         # the absorbed query being made: the einsum's output [a_t, s b, kv_lora] and its contiguous copy
         (after_attn | core_names, 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e + up_fwd),
@@ -269,19 +281,15 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         (after_attn | (core_names - {"indexer_qkw", "dsa_query", "indexer_inputs"}),
          query_live + (0 if loss and not recompute_core else gathered) + held_b + indexer_ws),
     )
-    # with core_attn recomputed, the checkpoint's replay makes the core's saved tensors again before its backward
-    full = layer_items(L, False)[0] if recompute_core else {}
-    replay = sum(full.values())
     if recompute_core:
         # the checkpointed core's forward runs without autograd: its tensors are transient
-        fwd_steps += ((after_attn, held_b + max(loss_ws, nograd_fwd)),)
+        fwd_steps += ((after_attn, query_live + held_b + nograd_fwd),)
     else:
         if loss:
             fwd_steps += ((after_attn | CORE_NAMES, loss_ws),)
-        fwd_steps += ((after_attn | LATE, query_live + held_b + sparse_fwd),)
+        fwd_steps += ((after_attn | AFTER_SOFTMAX, query_live + held_b + sparse_fwd),)
     rel_proj = released | {"proj_input"}
     renorm = 2 * T * h * e + norm_stats(L, T) if drop_norm1 else 0
-    freed = sum(full.get(k, 0) for k in LATE)
     bwd_steps: tuple[Step, ...] = (
         (released, G + Tf * ctx_w * e + wgrad(L, h, ctx_w) + renorm),                   # linear_proj
     )
@@ -289,14 +297,16 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         # the checkpoint's replay, run by the hook on linear_proj's input gradient: the forward's first step again
         # beside that gradient, with the query and key it makes
         bwd_steps += ((rel_proj, G + Tf * ctx_w * e + renorm + remade + 2 * Tf * a_t * kvl * e + Tf * a_t * pe * e),)
-    bwd_steps += (
-        # V's up projection (the latent output's gradient); with core_attn, first the replay's forward
-        (rel_proj, G + Tf * a_t * kvl * e + renorm + remade + (replay - freed + max(indexer_ws, loss_ws, sparse_fwd)
-                                                               if recompute_core else 0)),
-        (rel_proj | LATE, G + sparse_bwd + renorm + remade + replay - freed),            # sparse attention
-    )
+    if recompute_core:
+        bwd_steps += core_replay_steps(L, rel_proj, G + renorm + remade, gathered if loss else 0,
+                                       cp_gathered, gathered)
+    else:
+        bwd_steps += (
+            (rel_proj, G + Tf * a_t * kvl * e + renorm + remade),                       # V's up projection
+            (rel_proj | LATE, G + sparse_bwd + renorm + remade),                        # sparse attention
+        )
     rel_core = rel_proj | CORE_NAMES
-    if loss:
+    if loss and not recompute_core:
         # FusedDSAIndexerLoss.backward (after the sparse attention's: made earlier, it runs later): the index
         # scores again, then the attention scores' softmax as in its forward
         bwd_steps += ((rel_core, G + max(loss_bwd_ix, loss_ws) + remade),)
@@ -304,7 +314,8 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     # the absorbed query's and the key's gradients, the q up projection's and the latents'
     qh = L.qk_head_dim + pe
     up = Tf * a_t * D * e + Tf * D * e + Tf * a_t * qh * e + Tf * (kvl + pe) * e
-    up_names = {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "up_checkpoint_inputs"}
+    up_names = {"query_up", "rope_cos_sin", "dsa_key", "q_latent", "latent_norms", "up_checkpoint_inputs",
+                "dsa_k_up_weight"}
     bwd_steps += (
         (rel_all, G + up + renorm + remade + wgrad(L, a_t * qh, ql or h)
          + wgrad(L, a_t * (L.qk_head_dim + L.v_head_dim), kvl)),
@@ -316,7 +327,48 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     return MixerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
 
 
-def up_proj_checkpoint(L: Layout, saved: dict[str, int]) -> tuple[int, int, int]:
+def core_replay_steps(L: Layout, names: frozenset, base: int, indexer_inputs: int, cp_gathered: int,
+                      gathered: int) -> tuple[Step, ...]:
+    """``--recompute-modules core_attn``: the backward of tensor_parallel.checkpoint around DSAttention
+    (CheckpointFunction.backward, random.py 0.19.2). It replays the core with autograd (the indexer loss too) beside
+    linear_proj's input gradient (its argument, alive throughout), then runs the replay's backward holding the
+    replay's output: the steps of the core's forward and backward (``activations``) over the checkpoint's inputs,
+    which ``base`` (the bytes above the kept tensors) does not count again. The replay keeps what the core keeps
+    without the checkpoint (``core_items``) less the query (the indexer loss's detached query is the input's
+    storage), with the indexer's TP-gathered inputs under the loss (``indexer_inputs``) and, under CP, the gathered
+    key and its order (``cp_gathered``); ``gathered`` are the indexer's TP-gathered inputs alive in its forward."""
+    x = shapes(L)
+    Tf, e = x.Tf, x.e
+    loss = L.dsa_indexer_loss_coeff > 0
+    full, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, _, loss_bwd_ix = layer_items(L, False)
+    rep = {k: v for k, v in full.items() if k != "dsa_query"}
+    held_b = sum(held.values())
+    idx = rep.get("indexer_qkw", 0) + indexer_inputs
+    late = sum(rep.get(k, 0) for k in LATE)
+    after_softmax = sum(rep.get(k, 0) for k in AFTER_SOFTMAX)
+    total = sum(rep.values()) + indexer_inputs + cp_gathered
+    grad_in = Tf * x.a_t * L.v_head_dim * e       # linear_proj's input gradient, the checkpoint's argument
+    out = grad_in                                  # the replay's output, held through the replay's backward
+    b0 = base + grad_in + cp_gathered
+    steps: tuple[Step, ...] = (
+        # the replay's forward: the indexer, the indexer loss, the masked softmax (as ``activations``' forward)
+        (names, b0 + (0 if loss else gathered) + held_b + idx + indexer_ws),
+    )
+    if loss:
+        steps += ((names, b0 + idx + rep.get("indexer_topk", 0) + loss_ws),)
+    steps += (
+        (names, b0 + total - cp_gathered - after_softmax + held_b + sparse_fwd),
+        # the replay's backward: V's up projection, the sparse attention, the indexer loss
+        (names, base + grad_in + out + total + Tf * x.a_t * L.kv_lora_rank * e),
+        (names, base + grad_in + out + total - late + sparse_bwd),
+    )
+    if loss:
+        steps += ((names, base + grad_in + out + idx + rep.get("indexer_topk", 0) + cp_gathered
+                   + max(loss_bwd_ix, loss_ws)),)
+    return steps
+
+
+def up_proj_checkpoint(L: Layout, saved: dict[str, int], local_key_saved: bool = True) -> tuple[int, int, int]:
     """``--recompute-modules mla_up_proj`` (megatron-core 0.19.2 absorbed_mla.py: qkv_up_proj_and_rope_apply under
     tensor_parallel.CheckpointWithoutOutput, its outputs' storage freed after V's up projection and shared with the
     replay's outputs, random.py ``share_storage``: the remade tensors exist once). Changes ``saved`` in place: the up
@@ -331,12 +383,18 @@ def up_proj_checkpoint(L: Layout, saved: dict[str, int]) -> tuple[int, int, int]
     Tf, e, a_t, kvl, pe = x.Tf, x.e, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim
     query = saved.pop("dsa_query", 0) or Tf * a_t * (kvl + pe) * e
     graph = saved.pop("query_up") + saved.pop("rope_cos_sin")
-    key = saved.pop("dsa_key")
+    key = Tf * (kvl + pe) * e
+    # under CP the key the value matmul (or the indexer loss) keeps is the one gathered over CP inside DSAttention,
+    # not the checkpoint's output: it stays; the local key (the output, freed and remade) lives through the core's
+    # forward as without the checkpoint, counted there
+    key_live = key if local_key_saved else 0
+    if local_key_saved:
+        saved.pop("dsa_key")
     if L.sequence_parallel and L.tp > 1:
         saved["up_checkpoint_inputs"] = Tf * (kvl + pe) * e
     else:
         saved["up_checkpoint_inputs"] = x.T * (kvl if latent_norms(L) else kvl + pe) * e
-    return graph + query + key, key, graph
+    return graph + query + key, key_live, graph
 
 
 def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> int:
