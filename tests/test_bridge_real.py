@@ -592,6 +592,44 @@ def test_a_real_gemma2_run_config_is_refused_by_name(recipes, tmp_path):
         read_config_file(str(path))
 
 
+def test_a_real_gemma3_and_gemma4_run_config_is_refused_by_name(recipes, tmp_path):
+    """Bridge's Gemma3ModelProvider builds a GPT layer whose linear_proj and linear_fc2 carry an RMSNorm on their
+    output (TERowParallelLinearLayerNorm), which memguard does not model; Gemma 4's providers build layers of their
+    own (and default final_logit_softcapping to 30.0). Their run_config.yaml dump and the container object are
+    refused naming Gemma 3 / Gemma 4, not read as a GPT nor refused as Gemma 2's softcapping."""
+    from megatron.bridge.models.common.te_layers import TERowParallelLinearLayerNorm
+    from megatron.bridge.models.gemma import gemma3_provider as g3
+    from megatron.bridge.models.gemma import gemma4_provider as g4
+
+    from megatron_memguard.bridge import raw_config
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers.detect import read_config_file
+
+    cfg = recipes.llama32_1b_pretrain_config()
+    shape = dict(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
+                 kv_channels=64, vocab_size=1024, seq_length=cfg.model.seq_length)
+    cfg.model = g3.Gemma3ModelProvider(**shape)
+    # what the refusal rests on, from Bridge's source: the two row-parallel projections of gemma3_layer_spec are
+    # the post-norm ones, and the provider's spec is that function
+    layer = g3.gemma3_layer_spec(cfg.model).submodules
+    assert layer.self_attention.submodules.linear_proj is TERowParallelLinearLayerNorm
+    assert layer.mlp.submodules.linear_fc2 is TERowParallelLinearLayerNorm
+    assert cfg.model.transformer_layer_spec is g3.gemma3_layer_spec
+    path = tmp_path / "run_config.yaml"
+    cfg.to_yaml(str(path))
+    for read in (lambda: read_config_file(str(path)), lambda: raw_config(cfg)):
+        with pytest.raises(NotModelledError, match=r"^model\.transformer_layer_spec: Gemma 3's post-attention and "
+                                                   r"post-MLP RMSNorms \(Megatron-Bridge's TERowParallelLinearLayerNorm"):
+            read()
+    for provider in (g4.Gemma4DenseProvider, g4.Gemma4ModelProvider):
+        cfg.model = provider(**shape)
+        assert cfg.model.final_logit_softcapping == 30.0
+        cfg.to_yaml(str(path))
+        for read in (lambda: read_config_file(str(path)), lambda: raw_config(cfg)):
+            with pytest.raises(NotModelledError, match=r"^model\.(_target_|transformer_layer_spec): Gemma 4's own"):
+                read()
+
+
 # --------------------------------------------------------------------------------------------------
 # A recipe's env_vars reach the job as Bridge's apply_environment_variables puts them there (setdefault: the
 # launch's own value wins); memguard check of `VAR=value torchrun ... run_recipe.py` reads the same environment

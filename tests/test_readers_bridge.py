@@ -478,6 +478,58 @@ def test_a_softcapping_key_under_gpt_provider_is_skipped_as_bridge_skips_it(tmp_
         read(tmp_path, FLAT, overrides=["model.attn_logit_softcapping=50.0"])
 
 
+# Gemma 3 (Megatron-Bridge 0.6.2 models/gemma/gemma3_provider.py): gemma3_layer_spec's linear_proj and linear_fc2 are
+# TERowParallelLinearLayerNorm (models/common/te_layers.py), an RMSNorm on each projection's output memguard does not
+# model. Gemma 4 (gemma4_provider.py, modeling_gemma4.py) has layers of its own; its final_logit_softcapping field
+# (default 30.0) is one of them, so its refusal names Gemma 4, not Gemma 2's softcapping.
+_GEMMA = "megatron.bridge.models.gemma."
+_SPEC = "  transformer_layer_spec:\n    _target_: {}\n    _call_: false\n"
+
+
+@pytest.mark.parametrize("target, extra, key, what", [
+    (_GEMMA + "gemma3_provider.Gemma3ModelProvider", _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec"),
+     "model.transformer_layer_spec", "Gemma 3's post-attention and post-MLP RMSNorms"),
+    (_GEMMA + "gemma3_provider.Gemma3ModelProvider", "", "model._target_", "Gemma 3's post-attention"),
+    ("megatron.bridge.models.gemma_vl.gemma3_vl_provider.Gemma3VLModelProvider", "", "model._target_",
+     "Gemma 3's post-attention"),
+    # a GPT provider given Gemma 3's layer spec builds Gemma 3's layers
+    ("megatron.bridge.models.gpt_provider.GPTModelProvider",
+     _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec"), "model.transformer_layer_spec", "Gemma 3's post"),
+    (_GEMMA + "gemma4_provider.Gemma4DenseProvider", "  final_logit_softcapping: 30.0\n", "model._target_",
+     "Gemma 4's own layers"),
+    (_GEMMA + "gemma4_provider.Gemma4ModelProvider", "  final_logit_softcapping: 30.0\n  transformer_layer_spec:\n"
+     "    _target_: " + _GEMMA + "modeling_gemma4._gemma4_block_spec\n    _partial_: true\n",
+     "model.transformer_layer_spec", "Gemma 4's own layers"),
+])
+def test_a_gemma3_or_gemma4_model_is_refused_naming_the_key(tmp_path, target, extra, key, what):
+    text = FLAT.replace("megatron.bridge.models.gpt_provider.GPTModelProvider", target, 1)
+    with pytest.raises(NotModelledError, match=rf"^{key}: {what}"):
+        read(tmp_path, text.replace("  bf16: true\n", "  bf16: true\n" + extra, 1))
+
+
+def test_gemma_1_stays_a_gpt(tmp_path):
+    # GemmaModelProvider (models/gemma/gemma_provider.py) is a GPT whose embedding is scaled by sqrt(h) (modules.py
+    # EmbeddingScalingMixin, no tensor saved): read as before, its fields warned about, not refused
+    raw = read(tmp_path, FLAT.replace("megatron.bridge.models.gpt_provider.GPTModelProvider",
+                                      _GEMMA + "gemma_provider.GemmaModelProvider", 1))
+    assert raw.args["num_layers"] == SHAPE["num_layers"]
+
+
+@pytest.mark.parametrize("recipe, what", [
+    ("gemma3_1b_pretrain_1gpu_h100_bf16_config", "Gemma 3's post-attention and post-MLP RMSNorms"),
+    ("gemma3_vl_4b_sft_1gpu_h100_bf16_config", "vision-language models .*Gemma 3's post-attention"),
+    ("gemma4_e4b_pretrain_2gpu_h100_bf16_config", "Gemma 4's own layers"),
+    ("gemma4_vl_26b_sft_8gpu_h100_bf16_config", "vision-language models .*Gemma 4's own layers"),
+])
+def test_the_gemma3_and_gemma4_recipes_are_refused_for_the_same_reason_as_their_dump(recipe, what):
+    # the recipe function names of Bridge 0.6.2 recipes/gemma/h100, gemma3_vl, gemma4_vl
+    from megatron_memguard.readers.models import read_model
+
+    with pytest.raises(NotModelledError, match=rf"^--model: the Megatron-Bridge recipe '{recipe}' \({what}.*; its "
+                       r"run_config.yaml dump is refused for the same reason\)"):
+        read_model(recipe)
+
+
 def test_the_gemma2_recipes_are_refused_for_the_same_reason_as_their_dump():
     from megatron_memguard.readers.models import read_model
 

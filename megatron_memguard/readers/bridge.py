@@ -32,7 +32,8 @@ from ._common import (
     GPT_LEVEL_FIELDS, HYBRID_FIELDS, LEGACY_MCORE_FIELDS, ArgsBuilder, _member_name, as_bool, bridge_sections,
     config_fields, default_ffn_hidden_size, did_you_mean, dtype_name, emerging_optimizer, fsdp_and_offload_keys,
     group_query_attention, is_missing, layout_text, map_mcore_fields, mcore_model_fields, model_bool_fields,
-    GEMMA2_WHAT, peft_module_list, refuse_softcapping, refuse_unset_section_field, section_typed_field, set_vocab, target_name, true_or_false,
+    GEMMA2_WHAT, gemma_class_what, gemma_spec_what, peft_module_list, refuse_softcapping, refuse_unset_section_field,
+    section_typed_field, set_vocab, target_name, true_or_false,
 )
 
 BRIDGE_SECTIONS = frozenset({
@@ -645,21 +646,27 @@ def _hybrid_stack_spec(field: Field | None) -> None:
                            f"hybrid_stack_spec}}) or be null, got {shown(value)}")
 
 
-def _gemma2_modules(model: Mapping[str, Field]) -> None:
-    """Refuse by name a model section that builds Gemma 2's modules: a softcapping value other than null / 0 (Bridge
-    tests ``if softcap`` / ``if scale``), gemma2_layer_spec, or a Gemma2ModelProvider (whose defaults set both).
-    The providers memguard checks have no softcapping field: there Bridge skips the key (_unknown_keys warns)."""
+def _gemma_modules(model: Mapping[str, Field]) -> None:
+    """Refuse by name a model section that builds Gemma 2 / 3 / 4's own modules: a Gemma 3 / 4 provider (under
+    its layer spec's key where the dump names one; Gemma 4's softcapping field is not its only difference), a
+    softcapping value other than null / 0 (Bridge tests ``if softcap`` / ``if scale``), a Gemma layer spec, or a
+    Gemma2ModelProvider (whose defaults set both softcaps). The providers memguard checks have no softcapping
+    field: there Bridge skips the key (_unknown_keys warns)."""
     from ..errors import NotModelledError
 
-    if not _model_checked(model):
-        refuse_softcapping(model)
+    target, key = model.get("_target_", (None, "model._target_"))
+    cls_what = gemma_class_what(target) if isinstance(target, str) else None
     spec_value, spec_key = model.get("transformer_layer_spec", (None, ""))
     spec = target_name(spec_value) if spec_value is not None else None
-    if isinstance(spec, str) and spec.rsplit(".", 1)[-1] == "gemma2_layer_spec":
-        raise NotModelledError(spec_key, GEMMA2_WHAT)
-    target, key = model.get("_target_", (None, "model._target_"))
-    if isinstance(target, str) and target.strip().rsplit(".", 1)[-1].startswith("Gemma2ModelProvider"):
-        raise NotModelledError(key, GEMMA2_WHAT)
+    spec_what = gemma_spec_what(spec) if isinstance(spec, str) else None
+    if cls_what is not None and cls_what is not GEMMA2_WHAT:
+        raise NotModelledError(spec_key if spec_what else key, spec_what or cls_what)
+    if not _model_checked(model):
+        refuse_softcapping(model)
+    if spec_what is not None:
+        raise NotModelledError(spec_key, spec_what)
+    if cls_what is not None:
+        raise NotModelledError(key, cls_what)
 
 
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool,  # noqa: C901
@@ -701,7 +708,7 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     # Model.
     model = S.get("model", {})
     _hybrid_stack_spec(model.get("hybrid_stack_spec"))
-    _gemma2_modules(model)
+    _gemma_modules(model)
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,   # (checked providers: _unknown_keys)
                      unknown_context=None if _model_checked(model) else "megatron-core / Megatron-Bridge model",

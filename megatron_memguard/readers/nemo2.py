@@ -23,8 +23,9 @@ from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
     GEMMA2_WHAT, ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name,
-    emerging_optimizer, fsdp_and_offload_keys, group_query_attention, is_missing, map_mcore_fields, model_fields_read,
-    refuse_softcapping, refuse_unset, peft_module_list, refuse_unset_section_field, set_vocab, target_name,
+    emerging_optimizer, fsdp_and_offload_keys, gemma_class_what, group_query_attention, is_missing, map_mcore_fields,
+    model_fields_read, refuse_softcapping, refuse_unset, peft_module_list, refuse_unset_section_field, set_vocab,
+    target_name,
     _FSDP_DDP_KEYS, _MISSING_RULE, _OFFLOAD_OPTIMIZER_KEYS,
 )
 
@@ -80,9 +81,14 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         b.warn(f"{ckey}: {cls} is not a class memguard knows and the file has no shape; give --model NAME")
     given = {str(name): (value, f"{ckey}.{name}") for name, value in cfg.items() if name != "_target_"}
     refuse_unset(given, model_fields_read(), model_fields_read(), "NeMo 2")   # the file's '???' / null, not the preset's
+    # Gemma3Config* (NeMo 2.5.0 llm/gpt/model/gemma3.py: the post-norms as Bridge's gemma3_layer_spec) by its class,
+    # before Gemma2Config's softcapping defaults (gemma2_layer_spec) by the key the file sets
+    gemma_what = gemma_class_what(cls)
+    if gemma_what is not None and gemma_what is not GEMMA2_WHAT:
+        raise NotModelledError(f"{ckey}._target_", gemma_what)
     refuse_softcapping(given)
-    if cls.startswith("Gemma2"):   # (Gemma2Config and its sizes: the softcapping defaults, gemma2_layer_spec)
-        raise NotModelledError(f"{ckey}._target_", GEMMA2_WHAT)
+    if gemma_what is not None:
+        raise NotModelledError(f"{ckey}._target_", gemma_what)
     for name, (value, key) in given.items():
         if not is_missing(value):
             fields[name] = (value, key)
