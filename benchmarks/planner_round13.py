@@ -16,7 +16,8 @@ within 3% in every sweep, median Spearman >= 0.85 on Megatron's and >= 0.90 on H
 Spearman never below ``--rule fujii2024``'s on any sweep, both rules timed with the same vector). Reported: whether a
 vector meets them all (outcome A) or the frontier (outcome B): the best LLaMA-13B s2048 32-GPU Spearman and LLaMA-30B
 s2048 256-GPU first choice reachable while every other target holds, and the pairs of targets no evaluated vector
-meets together. Nothing here is in the planner (docs/planner.md section 5.2, round 13).
+meets together. ``--out FILE`` keeps every vector; ``--refine-pairs FILE`` searches each such pair of that archive again
+on its own. Nothing here is in the planner (docs/planner.md section 5.2, round 13).
 """
 from __future__ import annotations
 
@@ -504,13 +505,60 @@ def report(preps: list[Prepared], archive: Archive, best: dict[str, tuple[tuple[
     return "\n".join(lines)
 
 
+def save_archive(path: str, archive: Archive) -> None:
+    """Every vector and its figures, one JSON line each (``--out``)."""
+    import json
+    with open(path, "w") as fh:
+        for th, fig in archive.rows:
+            fh.write(json.dumps({"theta": th, "fig": dataclasses.asdict(fig)}) + "\n")
+
+
+def load_archive(path: str) -> Archive:
+    """An archive written by ``--out``."""
+    import json
+    rows = []
+    with open(path) as fh:
+        for line in fh:
+            d = json.loads(line)
+            rows.append((tuple(d["theta"]), Figures(**{k: tuple(v) for k, v in d["fig"].items()})))
+    return Archive(rows)
+
+
+def refine_pairs(preps: list[Prepared], archive: Archive, evals: int, seed: int) -> list[str]:
+    """Each pair of :func:`conflicts` searched again on its own: the pair's shortfall, from the two archived vectors
+    closest to meeting both, ``evals`` steps each."""
+    rng = random.Random(seed)
+    out = []
+    for _, a, b in conflicts(preps, archive):
+        def obj(f: Figures, a: str = a, b: str = b) -> tuple[float, ...]:
+            m = f.margins()
+            return (-min(0.0, m[a]) - min(0.0, m[b]), -min(m[a], m[b]))
+        starts = sorted(archive.rows, key=lambda r: obj(r[1]))[:2]
+        best = min((local_search(preps, st[0], obj, evals, rng, archive) for st in starts), key=lambda r: obj(r[1]))
+        m = best[1].margins()
+        out.append(f"  - {target_label(a, preps)} / {target_label(b, preps)}, after {2 * evals} more steps: margins "
+                   f"{m[a]:+.3f} / {m[b]:+.3f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--evals", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--out", default=None, help="write every evaluated vector and its figures (JSON lines)")
     ap.add_argument("--write", action="store_true", help=f"write {os.path.relpath(RESULTS, ROOT)}")
+    ap.add_argument("--refine-pairs", metavar="ARCHIVE", help="search each conflicting pair of an --out archive "
+                    "again (300 steps from each of two starts)")
     ns = ap.parse_args(argv)
+    if ns.refine_pairs:
+        preps = prepare()
+        text = ("- each conflicting pair searched again (`--refine-pairs`):\n"
+                + "\n".join(refine_pairs(preps, load_archive(ns.refine_pairs), 300, ns.seed)))
+        print(text)
+        if ns.write:
+            with open(RESULTS, "a") as fh:
+                fh.write(text + "\n")
+        return 0
     t0 = time.process_time()
     preps = prepare()
     check_default(preps)
@@ -519,10 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     archive, best = search(preps, ns.evals, ns.seed)
     print(f"{len(archive.rows)} evaluations, {time.process_time() - t0:.0f} s CPU")
     if ns.out:
-        import json
-        with open(ns.out, "w") as fh:
-            for th, fig in archive.rows:
-                fh.write(json.dumps({"theta": th, "fig": dataclasses.asdict(fig)}) + "\n")
+        save_archive(ns.out, archive)
     text = report(preps, archive, best)
     print(text)
     if ns.write:

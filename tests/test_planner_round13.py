@@ -118,3 +118,13 @@ def test_every_box_holds_its_default():
         assert p.lower <= p.default <= p.upper, p.name
         assert p.why
     assert dataclasses.is_dataclass(r13.Param)
+
+
+def test_archive_round_trip(tmp_path):
+    archive = r13.Archive()
+    archive.add((0.5, 2e-6), made_up([1.0, 0.95, 1.0], [0.9, math.nan, 0.8], [0.7, math.nan, 0.85]))
+    path = str(tmp_path / "a.jsonl")
+    r13.save_archive(path, archive)
+    back = r13.load_archive(path)
+    assert back.rows[0][0] == (0.5, 2e-6)
+    assert r13.penalty(back.rows[0][1]) == pytest.approx(r13.penalty(archive.rows[0][1]))
