@@ -572,8 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if ns.write:
         with open(RESULTS, "w") as fh:
+            out = " --out A.jsonl" if ns.out else ""
             fh.write(f"# Planner round 13 (issue 18)\n\nWritten by `python benchmarks/planner_round13.py --evals {ns.evals} "
-                     f"--seed {ns.seed} --write`; docs/planner.md section 5.2.\n\n" + text + "\n")
+                     f"--seed {ns.seed}{out} --write`" + (" (the last list by `--refine-pairs A.jsonl --write`)" if out else "")
+                     + "; docs/planner.md section 5.2.\n\n" + text + "\n")
     return 0
 
 
