@@ -779,13 +779,16 @@ BufferRow = tuple[str, int, str, str, str]
 
 @lru_cache(maxsize=1024)
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
-                        received: int | None = None, input_folds: frozenset = frozenset({1})) -> tuple[BufferRow, ...]:
+                        received: int | None = None, input_folds: frozenset = frozenset({1}),
+                        moe_first_received: int = 0) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer);
     ``mtp_here``: it runs the MTP block (None: the last stage); ``received``: the activations its receiving chunks
     get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each); ``input_folds``: the
-    lengths of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage).
+    lengths of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage);
+    ``moe_first_received``: its receiving chunks whose received input is the input of an MoE layer whose dispatcher
+    keeps that input under the combined 1F1B schedule (_moe_buffers).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -823,7 +826,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         if (last if mtp_here is None else mtp_here) and L.mtp_num_layers:
             # MoE MTP layers have their own dispatchers (one depth's when repeated)
             n_moe += mtp_layers_built(L) * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp == MLP_MOE)
-        rows = _moe_buffers(L, rows, n_moe)
+        rows = _moe_buffers(L, rows, n_moe, moe_first_received * p2p_tensor_bytes(L))
     uniform = uniform_kind(L)
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
@@ -834,6 +837,12 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         # stage; forward's lru_cache keeps one table per length
         n = sum(input_folds)
         rotary = (rotary[0] * n, rotary[1] + f", one table per input length ({', '.join(f'{k} s' for k in sorted(input_folds))})")
+    elif rotary and mixer == MIXER_ATTENTION and len(stage_runs) > 1:
+        # each model chunk is a GPTModel with its own RotaryEmbedding, whose forward's lru_cache is keyed on the
+        # instance too (models/common/embeddings/rotary_pos_embedding.py, megatron-core 0.16.1 and 0.19.2): one table
+        # per chunk under VPP (CPU referee moe_pp2_vpp2_a2a_overlap: two [s, 32] fp32 tables per rank after the step)
+        n = len(stage_runs)
+        rotary = (rotary[0] * n, rotary[1] + f", one per model chunk ({n})")
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(rows)
@@ -847,17 +856,26 @@ def _moe_layer_buffers(L: Layout) -> tuple[int, int, int]:
     return moe.held_bytes(L), moe.router_buffer_bytes(L.moe), moe.global_buffer_request(L, L.moe)
 
 
-def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow]:
+def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int, shared: int = 0) -> list[BufferRow]:
     """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
-    and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
+    and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest). ``shared``:
+    bytes of the held state that are received inputs, counted with pipeline_inputs_retained."""
     if not n_moe:
         return rows
     per_layer, router, gb = _moe_layer_buffers(L)
     held = per_layer * n_moe
     if held:
-        rows.append(("moe_dispatcher_state", held, "transients", "allocated",
-                     f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next "
-                     "forward"))
+        detail = (f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next "
+                  "forward")
+        if shared:
+            # combined 1F1B: the held probs' graph ends in the first layer's detached input (held_bytes), which on a
+            # receiving chunk is a view of the received tensor TransformerBlock keeps (ScheduleNode._forward detaches
+            # without a copy, megatron-core 0.16.1 and 0.19.2); its gradient is a tensor of its own, apart from the
+            # received tensor's .grad, which AccumulateGrad clones (CPU referee moe_pp2_vpp2_a2a_overlap: 3, not 4,
+            # [s, b, h] tensors per receiving chunk after the step)
+            held -= shared
+            detail += f", less {format_bytes(shared)} of received inputs counted with pipeline_inputs_retained"
+        rows.append(("moe_dispatcher_state", held, "transients", "allocated", detail))
     rb = router * n_moe
     if rb:
         rows.append(("moe_router_buffers", rb, "weights", "allocated",
@@ -871,6 +889,19 @@ def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow
                         "megatron's GlobalMemoryBuffer 'mpu': the MoE allgather dispatcher's gathered tokens "
                         "[T x ETP x EP, h]"))
     return rows
+
+
+def _moe_first_received(L: Layout, receiving: list[int], stage_runs: tuple) -> int:
+    """The chunks whose received [s/CP, b, h] input is the input of a first MoE layer whose alltoall dispatcher keeps
+    it under the combined 1F1B schedule (--overlap-moe-expert-parallel-comm; layers.moe.held_bytes)."""
+    m = L.moe
+    if m is None or not m.overlap_moe_expert_parallel_comm or m.moe_token_dispatcher_type != "alltoall":
+        return 0
+    n = 0
+    for r, runs in zip(receiving, stage_runs):
+        first = next((kind for kind, k in runs if k), None)
+        n += r == 1 and first is not None and first.mlp == MLP_MOE
+    return n
 
 
 def _terms_of(rows: tuple[BufferRow, ...] | list[BufferRow]) -> tuple[Term, ...]:
@@ -1333,7 +1364,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(map(bool, receiving)), stage_runs, mtp_here,
-                                      sum(receiving), frozenset([max(1, r) for r in receiving]))
+                                      sum(receiving), frozenset([max(1, r) for r in receiving]),
+                                      _moe_first_received(L, receiving, stage_runs))
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
