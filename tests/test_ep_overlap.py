@@ -342,3 +342,65 @@ def test_referee_combined_schedule_pp2_vpp2():
     last = est.stages[1]
     assert last.peak_phase == "forward of micro-batch 3, chunk 1 (3 held)"
     assert {t.name: t.bytes for t in last.terms}["pipeline_inputs_retained"] == 5 * 256 * 2 * 256 * 2
+
+
+def _stored(name: str, config: str) -> dict:
+    import json
+    with open(os.path.join(os.path.dirname(HERE), "benchmarks", "results", name)) as f:
+        return {c["name"]: c for c in json.load(f)["configs"]}[config]
+
+
+def test_referee_after_step_schedule_tensors():
+    """What the combined 1F1B schedule leaves after the step (referee-moe-combined-vpp.json, core 0.16.1): per MoE
+    layer the dispatcher's probs keep an autograd graph ending in the layer's detached input (its storage and its
+    .grad); per receiving chunk TransformerBlock keeps the received input and its .grad. On a receiving chunk the first
+    layer's detached input is a view of the received tensor (ScheduleNode._forward detaches without a copy): three
+    [s, b, h] tensors per receiving chunk, not four. Counted from the stored storages: bf16 [256, 2, 256] made by the
+    schedule itself (phase 'it2 schedule', no layer), plus the router's and dispatch_preprocess's held maps; and
+    one fp32 rotary table [s, d] per model chunk (its own RotaryEmbedding's lru_cache)."""
+    from benchmarks.referee.grids.dense import resolve_config
+    from benchmarks.referee.grids.moe import MOE_GRID
+    from megatron_memguard import estimate
+    got = _stored("referee-moe-combined-vpp.json", "moe_pp2_vpp2_a2a_overlap")
+    cfg = next(c for c in MOE_GRID if c["name"] == "moe_pp2_vpp2_a2a_overlap")
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"])
+    est = estimate(L, profile="local", device="cpu")
+    t = 256 * 2 * 256 * 2
+    for r in got["ranks"]:
+        rows = r["after_step_all_storages"]
+        schedule = [x for x in rows if x["phase"] == "it2 schedule" and x["shape"] == [256, 2, 256]]
+        held_maps = sum(x["bytes"] for x in rows if x["phase"].endswith((".router", ".dispatch_preprocess")))
+        tables = [x for x in rows if x["op"] == "cat" and x["shape"] == [256, 32] and x["dtype"] == "float32"]
+        n = sum(x["count"] for x in schedule)
+        # first stage: chunk 0 (embedding) 2 + chunk 1 (receiving) 3; last stage: 2 receiving chunks x 3
+        assert n == (5 if r["pp_rank"] == 0 else 6)
+        assert sum(x["bytes"] for x in schedule) == n * t
+        terms = {x.name: x.bytes for x in est.stages[r["pp_rank"]].terms}
+        # (at the peak the retained pairs are the pass's; after the step every receiving chunk's pair)
+        retained = 2 * t * (1 if r["pp_rank"] == 0 else 2)
+        assert terms["moe_dispatcher_state"] + retained == n * t + held_maps
+        assert sum(x["count"] for x in tables) == 2 and terms["rotary_cache"] == sum(x["bytes"] for x in tables)
+        # what is left: a few hundred bytes (Adam's step counters, loss-scale scalars, the routers' bookkeeping)
+        assert 0 < r["live_bytes_after_step"] - est.stages[r["pp_rank"]].persistent_bytes < 512
+
+
+@pytest.mark.parametrize("config", ["moe_pp2_vpp2_a2a_overlap", "moe_pp2_vpp2_a2a_overlap_mb6"])
+def test_referee_combined_schedule_pass_by_pass(config):
+    """benchmarks/results/referee-moe-combined-passes.json (moe_grid --pass-trace, core 0.16.1): the live bytes at every
+    call of combined_1f1b_schedule_for_interleaved_pipelining in the second iteration. Megatron's calls are memguard's
+    passes in order (warm-up forwards, steady backward + forward steps, cool-down backwards; compare_rank refuses
+    otherwise); each warm-up forward and steady step peaks within 3% of memguard's value at that pass (the two DP
+    ranks of a stage route differently), and the stage's peak within 3%."""
+    from benchmarks.referee.combined_passes import compare_rank
+    got = _stored("referee-moe-combined-passes.json", config)
+    for r in got["ranks"]:
+        rows = compare_rank(got, r)
+        m = 4 if config.endswith("overlap") else 6
+        # every virtual micro-batch (m x VPP 2) forwarded once and backwarded once
+        assert sorted(x["f"] for x in rows if x["f"] is not None) == sorted(x["b"] for x in rows if x["b"] is not None) \
+            == list(range(2 * m))
+        for row in rows:
+            if row["f"] is not None:
+                assert abs(row["err"]) <= 0.03, (r["rank"], row["f"], row["b"], row["err"])
+        top = max(x["predicted"] for x in rows)
+        assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.03, r["rank"]
