@@ -384,23 +384,24 @@ def test_referee_after_step_schedule_tensors():
         assert 0 < r["live_bytes_after_step"] - est.stages[r["pp_rank"]].persistent_bytes < 512
 
 
-@pytest.mark.parametrize("config", ["moe_pp2_vpp2_a2a_overlap", "moe_pp2_vpp2_a2a_overlap_mb6"])
-def test_referee_combined_schedule_pass_by_pass(config):
+@pytest.mark.parametrize("config,m", [("moe_pp2_vpp2_a2a_overlap", 4), ("moe_pp2_vpp2_a2a_overlap_mb6", 6),
+                                      ("moe_pp2_vpp2_a2a_overlap_mb2", 2)])
+def test_referee_combined_schedule_pass_by_pass(config, m):
     """benchmarks/results/referee-moe-combined-passes.json (moe_grid --pass-trace, core 0.16.1): the live bytes at every
-    call of combined_1f1b_schedule_for_interleaved_pipelining in the second iteration. Megatron's calls are memguard's
-    passes in order (warm-up forwards, steady backward + forward steps, cool-down backwards; compare_rank refuses
-    otherwise); each warm-up forward and steady step peaks within 3% of memguard's value at that pass (the two DP
-    ranks of a stage route differently), and the stage's peak within 3%."""
+    call of combined_1f1b_schedule_for_interleaved_pipelining in the second iteration, PP 2 x VPP 2 with 4, 6 and 2
+    micro-batches. Megatron's calls are memguard's passes in order (warm-up forwards, steady backward + forward steps,
+    cool-down backwards; compare_rank refuses otherwise), and each call peaks within 4% of memguard's value at that
+    pass (the two DP ranks of a stage route differently: up to 5.5 MB apart at the same call). A backward no forward
+    runs beside (the cool-down; with 2 micro-batches every backward, the first stage's peak) is taken at its own
+    working set: at the paired one (one more MoE layer's saved tensors, 6.5 MiB here) those calls were 4% to 9.6% high."""
     from benchmarks.referee.combined_passes import compare_rank
     got = _stored("referee-moe-combined-passes.json", config)
     for r in got["ranks"]:
         rows = compare_rank(got, r)
-        m = 4 if config.endswith("overlap") else 6
         # every virtual micro-batch (m x VPP 2) forwarded once and backwarded once
         assert sorted(x["f"] for x in rows if x["f"] is not None) == sorted(x["b"] for x in rows if x["b"] is not None) \
             == list(range(2 * m))
         for row in rows:
-            if row["f"] is not None:
-                assert abs(row["err"]) <= 0.03, (r["rank"], row["f"], row["b"], row["err"])
+            assert abs(row["err"]) <= 0.04, (r["rank"], row["f"], row["b"], row["err"])
         top = max(x["predicted"] for x in rows)
-        assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.03, r["rank"]
+        assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.04, r["rank"]

@@ -36,12 +36,15 @@ def predicted_passes(L: Any, pp_rank: int) -> List[Dict[str, Any]]:
 
     shape = _stage_shapes(L)[pp_rank]
     pr = _stage_prep(L, shape, "cpu", None, "max", DEFAULT_SITE)
-    sizes, fwd_extra, _, _, bwd_extra, receiving, _ = pr.sched
+    sizes, fwd_extra, _, _, bwd_extra, receiving, _, solo = pr.sched
     group = L.microbatch_group_size_per_vp_stage or L.pp
     t = p2p_tensor_bytes(L)
     passes = p2p_every_pass(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving, L.overlap_p2p_comm, True)
-    values = [pr.base + sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * u
-              for p, u in passes]
+    last = len(passes) - 1
+    # a backward that no forward follows in the same call runs alone (estimator.core._combined_walk_peak)
+    alone = [not p[0] and (i == last or not passes[i + 1][0][0]) for i, (p, _) in enumerate(passes)]
+    values = [pr.base + sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else solo[2] if a else bwd_extra)[p[1]]
+              + t * u for (p, u), a in zip(passes, alone)]
     total = L.num_microbatches * L.vpp
     warm = _warmup(L.pp, L.vpp, group, pp_rank, L.num_microbatches, True)
     steady = total - warm

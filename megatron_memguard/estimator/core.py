@@ -22,7 +22,7 @@ from ..layout import Chunk, Layout
 from ..partition import (MIXER_ATTENTION, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
-from ..schedule import p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
+from ..schedule import p2p_every_pass, p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
@@ -909,7 +909,8 @@ def _terms_of(rows: tuple[BufferRow, ...] | list[BufferRow]) -> tuple[Term, ...]
     return tuple([Term(*r) for r in rows])
 
 
-def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool]) -> tuple | None:
+def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool],
+                    alone: list[ChunkActivations] | None = None) -> tuple | None:
     """What the interleaved schedule's peak needs of a stage's chunks (None: one chunk, 1F1B): per chunk
     the bytes a micro-batch keeps, the forward's transient, the backward's at its start and at its end
     (its own micro-batch released), the larger of the two, the retained pipeline inputs, and whether the
@@ -933,7 +934,50 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
         top.append(t)
         bottom.append(b)
         larger.append(t if t >= b else b)
-    return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts])
+    # the combined 1F1B schedule's backwards without a forward beside them (_without_paired_forward): per chunk the
+    # backward's top and bottom, the larger, and its bottom working set
+    solo = None
+    if alone is not None:
+        s_top = [a.bwd_top_extra for a in alone]
+        s_bottom = [a.bwd_bottom_extra - a.held for a in alone]
+        solo = (tuple(s_top), tuple(s_bottom), tuple([x if x >= y else y for x, y in zip(s_top, s_bottom)]),
+                tuple([a.bwd_bottom_extra for a in alone]))
+    return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts]), solo
+
+
+def _without_paired_forward(L: Layout) -> Layout | None:
+    """The layout whose layers' backward has no forward layer beside it, for the combined 1F1B schedule's backwards
+    that run alone (None: not that schedule under PP). TransformerModelChunkSchedulePlan.run pairs a backward layer
+    with a forward layer only in a steady step; a cool-down backward (and every backward when the warm-up takes all
+    forwards) runs its layers by themselves (megatron-core 0.16.1 and 0.19.2 model_chunk_schedule_plan.py; CPU
+    referee moe_pp2_vpp2_a2a_overlap: its cool-down backwards peak 2.2-2.9 MB above their start, not the ~9.8 MB the
+    paired working set gives)."""
+    m = L.moe
+    if m is None or not m.overlap_moe_expert_parallel_comm or L.pp == 1:
+        return None
+    # ('moe' recompute stays off: the combined schedule never runs the checkpointed MoELayer.forward)
+    return replace(L, moe=replace(m, overlap_moe_expert_parallel_comm=False)).replace(
+        recompute_modules=tuple([x for x in L.recompute_modules if x != "moe"]))
+
+
+@lru_cache(maxsize=1024)
+def _combined_walk_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple, overlap: bool,
+                        sizes: tuple, fwd_extra: tuple, bwd_extra: tuple, bwd_alone: tuple,
+                        t: int) -> tuple[int, int, tuple, bool]:
+    """schedule.p2p_walk_peak with a backward that no forward follows in the same step (cool-down, or all of them
+    when the warm-up takes every forward) given ``bwd_alone`` instead of ``bwd_extra``: (the first pass with the
+    most held bytes + transient + pipeline tensors, the pipeline tensors' bytes, its probe, whether it is such a
+    backward)."""
+    passes = p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, True)
+    best, retained, probe, solo = -1, 0, None, False
+    last = len(passes) - 1
+    for i, (p, u) in enumerate(passes):
+        alone = not p[0] and (i == last or not passes[i + 1][0][0])
+        v = (sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_alone if alone else bwd_extra)[p[1]]
+             + t * u)
+        if v > best or probe is None:
+            best, retained, probe, solo = v, t * u, p, alone
+    return best, retained, probe, solo
 
 
 @lru_cache(maxsize=1024)
@@ -962,13 +1006,23 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     peak, pass and counts a replay of every pass gives (tests/test_schedule_p2p.py)."""
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, receiving, alike = sched
+    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, receiving, alike, solo = sched
     # --overlap-moe-expert-parallel-comm runs the combined 1F1B schedule (schedule.py)
     combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
     group = L.microbatch_group_size_per_vp_stage or L.pp
     t = p2p_tensor_bytes(L)
-    if combined:
-        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass)
+    bottom_at = None                        # the backward's bottom working set per chunk at the peak (None: acts')
+    if combined and solo is not None:
+        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass), a
+        # backward with no forward beside it at its own working set
+        best, retained, probe, alone = _combined_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank,
+                                                           receiving, L.overlap_p2p_comm, tuple(sizes),
+                                                           tuple(fwd_extra), tuple(bwd_extra), solo[2], t)
+        if alone:
+            top_extra, bottom_extra, bottom_at = solo[0], solo[1], solo[3]
+        best -= retained
+    elif combined:
+        # (FSDP's windows ride on the chunks' passes: every backward at the paired working set)
         best, retained, probe = p2p_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
                                               L.overlap_p2p_comm, True, tuple(sizes), tuple(fwd_extra),
                                               tuple(bwd_extra), t)
@@ -986,7 +1040,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     elif top_extra[ci] >= bottom_extra[ci]:
         where, extra = "backward", top_extra[ci]
     else:                                   # its own micro-batch already released
-        where, extra = "end of backward", acts[ci].bwd_bottom_extra
+        where, extra = "end of backward", acts[ci].bwd_bottom_extra if bottom_at is None else bottom_at[ci]
         held[ci] -= 1
     n = sum(held)
     phase = f"{where} of micro-batch {nth}, chunk {ci} ({n} held)"
@@ -1289,6 +1343,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     receiving: list[int] = []
     mtp_here = False                          # the stage runs the MTP block
     depths = getattr(L, "mtp_num_layers", 0) or 0
+    alone_L = _without_paired_forward(L)
+    alone_acts: list[ChunkActivations] = []
     for c in chunks:
         n_layers += c.num_layers
         has_output = has_output or c.has_output
@@ -1301,12 +1357,14 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         if depths:
             chunk_mtp = holds_mtp(L, c)
             mtp_here = mtp_here or chunk_mtp
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp,
-                                           held_grad))
+            args = (c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp, held_grad)
             receiving.append(0 if first else 1 + depths if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
         else:
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad))
+            args = (c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad)
             receiving.append(0 if first else 1)
+        acts.append(_chunk_activations(L, *args))
+        if alone_L is not None:
+            alone_acts.append(_chunk_activations(alone_L, *args))
     widened = 1 + depths
     stage_runs = tuple(runs_of)
     ft = None
@@ -1400,7 +1458,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
              and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
     # (positional, in the fields' order: one per stage shape of every cold estimate)
     return _StagePrep(
-        st.parameters, n_layers, has_output, has_moe, tuple(acts), _schedule_bytes(L, acts, receiving), ft,
+        st.parameters, n_layers, has_output, has_moe, tuple(acts),
+        _schedule_bytes(L, acts, receiving, alone_acts if alone_L is not None and ft is None else None), ft,
         state_terms, step_terms, host_terms, host_bytes, partial(_terms_of, buffer_rows),
         partial(_terms_of, retained_rows), staging, deferred, fixed_alloc, device_only, device_bytes,
         lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",  # frag_detail
