@@ -395,7 +395,12 @@ def test_referee_combined_schedule_pass_by_pass(config, m):
     runs beside (the cool-down; with 2 micro-batches every backward, the first stage's peak) is taken at its own
     working set: at the paired one (one more MoE layer's saved tensors, 6.5 MiB here) those calls were 4% to 9.6% high."""
     from benchmarks.referee.combined_passes import compare_rank
+    from benchmarks.referee.grids.dense import resolve_config
+    from benchmarks.referee.grids.moe import MOE_GRID
+    from megatron_memguard import estimate
     got = _stored("referee-moe-combined-passes.json", config)
+    cfg = next(c for c in MOE_GRID if c["name"] == config)
+    est = estimate(resolve_config(cfg["flags"], cfg["world_size"])[0], profile="local", device="cpu")
     for r in got["ranks"]:
         rows = compare_rank(got, r)
         # every virtual micro-batch (m x VPP 2) forwarded once and backwarded once
@@ -404,4 +409,5 @@ def test_referee_combined_schedule_pass_by_pass(config, m):
         for row in rows:
             assert abs(row["err"]) <= 0.04, (r["rank"], row["f"], row["b"], row["err"])
         top = max(x["predicted"] for x in rows)
+        assert top == est.stages[r["pp_rank"]].peak_allocated_bytes      # the estimate's own walk, pass for pass
         assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.04, r["rank"]

@@ -43,7 +43,8 @@ def predicted_passes(L: Any, pp_rank: int) -> List[Dict[str, Any]]:
     last = len(passes) - 1
     # a backward that no forward follows in the same call runs alone (estimator.core._combined_walk_peak)
     alone = [not p[0] and (i == last or not passes[i + 1][0][0]) for i, (p, _) in enumerate(passes)]
-    values = [pr.base + sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else solo[2] if a else bwd_extra)[p[1]]
+    bwd_alone = solo()[2]
+    values = [pr.base + sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_alone if a else bwd_extra)[p[1]]
               + t * u for (p, u), a in zip(passes, alone)]
     total = L.num_microbatches * L.vpp
     warm = _warmup(L.pp, L.vpp, group, pp_rank, L.num_microbatches, True)

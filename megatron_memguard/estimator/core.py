@@ -910,7 +910,7 @@ def _terms_of(rows: tuple[BufferRow, ...] | list[BufferRow]) -> tuple[Term, ...]
 
 
 def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool],
-                    alone: list[ChunkActivations] | None = None) -> tuple | None:
+                    solo: Callable[[], tuple] | None = None) -> tuple | None:
     """What the interleaved schedule's peak needs of a stage's chunks (None: one chunk, 1F1B): per chunk
     the bytes a micro-batch keeps, the forward's transient, the backward's at its start and at its end
     (its own micro-batch released), the larger of the two, the retained pipeline inputs, and whether the
@@ -934,15 +934,20 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
         top.append(t)
         bottom.append(b)
         larger.append(t if t >= b else b)
-    # the combined 1F1B schedule's backwards without a forward beside them (_without_paired_forward): per chunk the
-    # backward's top and bottom, the larger, and its bottom working set
-    solo = None
-    if alone is not None:
-        s_top = [a.bwd_top_extra for a in alone]
-        s_bottom = [a.bwd_bottom_extra - a.held for a in alone]
-        solo = (tuple(s_top), tuple(s_bottom), tuple([x if x >= y else y for x, y in zip(s_top, s_bottom)]),
-                tuple([a.bwd_bottom_extra for a in alone]))
+    # (solo: the combined 1F1B schedule's backwards without a forward beside them, made when a peak needs them)
     return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts]), solo
+
+
+@lru_cache(maxsize=256)
+def _solo_backwards(L: Layout, chunk_args: tuple) -> tuple[tuple[int, ...], ...]:
+    """The combined 1F1B schedule's backwards that no forward runs beside (_without_paired_forward), per chunk made
+    from its _chunk_activations arguments ``chunk_args``: the backward's top and bottom (as _schedule_bytes gives
+    them), the larger of the two, and its bottom working set."""
+    alone_L = _without_paired_forward(L)
+    acts = [_chunk_activations(alone_L, *a) for a in chunk_args]
+    top = tuple([a.bwd_top_extra for a in acts])
+    bottom = tuple([a.bwd_bottom_extra - a.held for a in acts])
+    return top, bottom, tuple([x if x >= y else y for x, y in zip(top, bottom)]), tuple([a.bwd_bottom_extra for a in acts])
 
 
 def _without_paired_forward(L: Layout) -> Layout | None:
@@ -958,6 +963,15 @@ def _without_paired_forward(L: Layout) -> Layout | None:
     # ('moe' recompute stays off: the combined schedule never runs the checkpointed MoELayer.forward)
     return replace(L, moe=replace(m, overlap_moe_expert_parallel_comm=False)).replace(
         recompute_modules=tuple([x for x in L.recompute_modules if x != "moe"]))
+
+
+def _runs_alone(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple, overlap: bool,
+                probe: tuple) -> bool:
+    """Whether the combined 1F1B schedule's backward ``probe`` has no forward after it in the same step (a cool-down
+    backward, or any when the warm-up takes every forward)."""
+    passes = p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, True)
+    i = next(i for i, (p, _) in enumerate(passes) if p == probe)
+    return i == len(passes) - 1 or not passes[i + 1][0][0]
 
 
 @lru_cache(maxsize=1024)
@@ -1012,20 +1026,21 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     group = L.microbatch_group_size_per_vp_stage or L.pp
     t = p2p_tensor_bytes(L)
     bottom_at = None                        # the backward's bottom working set per chunk at the peak (None: acts')
-    if combined and solo is not None:
-        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass), a
-        # backward with no forward beside it at its own working set
-        best, retained, probe, alone = _combined_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank,
-                                                           receiving, L.overlap_p2p_comm, tuple(sizes),
-                                                           tuple(fwd_extra), tuple(bwd_extra), solo[2], t)
-        if alone:
-            top_extra, bottom_extra, bottom_at = solo[0], solo[1], solo[3]
-        best -= retained
-    elif combined:
-        # (FSDP's windows ride on the chunks' passes: every backward at the paired working set)
+    if combined:
+        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass)
         best, retained, probe = p2p_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
                                               L.overlap_p2p_comm, True, tuple(sizes), tuple(fwd_extra),
                                               tuple(bwd_extra), t)
+        if not probe[0] and solo is not None and _runs_alone(L.pp, L.vpp, L.num_microbatches, group, pp_rank,
+                                                             receiving, L.overlap_p2p_comm, probe):
+            # a peak at a backward no forward runs beside: walked again with such backwards at their own working set,
+            # never larger (a forward or paired peak stays the first largest pass without the walk)
+            bs = solo()
+            best, retained, probe, alone = _combined_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank,
+                                                               receiving, L.overlap_p2p_comm, tuple(sizes),
+                                                               tuple(fwd_extra), tuple(bwd_extra), bs[2], t)
+            if alone:
+                top_extra, bottom_extra, bottom_at = bs[0], bs[1], bs[3]
         best -= retained
     else:
         # the held bytes plus the pipeline's own tensors at each pass that can peak (schedule.p2p_probes)
@@ -1343,8 +1358,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     receiving: list[int] = []
     mtp_here = False                          # the stage runs the MTP block
     depths = getattr(L, "mtp_num_layers", 0) or 0
-    alone_L = _without_paired_forward(L)
-    alone_acts: list[ChunkActivations] = []
+    chunk_args: list[tuple] = []
     for c in chunks:
         n_layers += c.num_layers
         has_output = has_output or c.has_output
@@ -1363,8 +1377,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
             args = (c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad)
             receiving.append(0 if first else 1)
         acts.append(_chunk_activations(L, *args))
-        if alone_L is not None:
-            alone_acts.append(_chunk_activations(alone_L, *args))
+        chunk_args.append(args)
     widened = 1 + depths
     stage_runs = tuple(runs_of)
     ft = None
@@ -1459,7 +1472,9 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     # (positional, in the fields' order: one per stage shape of every cold estimate)
     return _StagePrep(
         st.parameters, n_layers, has_output, has_moe, tuple(acts),
-        _schedule_bytes(L, acts, receiving, alone_acts if alone_L is not None and ft is None else None), ft,
+        _schedule_bytes(L, acts, receiving, partial(_solo_backwards, L, tuple(chunk_args))
+                        if ft is None and L.moe is not None and L.moe.overlap_moe_expert_parallel_comm and L.pp > 1
+                        else None), ft,
         state_terms, step_terms, host_terms, host_bytes, partial(_terms_of, buffer_rows),
         partial(_terms_of, retained_rows), staging, deferred, fixed_alloc, device_only, device_bytes,
         lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",  # frag_detail
