@@ -462,9 +462,10 @@ def install_pass_trace(tracker, phase_state, trace: list) -> None:
     """Record, per call of the combined 1F1B schedule's step (schedules.py forward_backward_helper_wrapper calls
     combined_1f1b.combined_1f1b_schedule_for_interleaved_pipelining for every warm-up forward, steady
     backward-and-forward and cool-down backward, megatron-core 0.16.1), its virtual micro-batches and the live bytes
-    at entry, at exit and at its peak, and the bytes the schedule itself holds at entry and exit: storages made
-    under the bare "itN schedule" label, outside any layer and any loss (received inputs and their gradients,
-    the chunks' input gradients, the layers' detached inputs' gradients)."""
+    at entry, at exit and at its peak, and the bytes made under the bare "itN schedule" label live at entry and
+    exit: the ones no layer's label claims (received inputs and their gradients, the chunks' input gradients, the
+    layers' detached inputs' gradients, and on the combined path the output layer and the loss, which no phase
+    hook labels there)."""
     import megatron.core.pipeline_parallel.schedules as sched
 
     orig = sched.combined_1f1b_schedule_for_interleaved_pipelining
