@@ -411,3 +411,20 @@ def test_referee_combined_schedule_pass_by_pass(config, m):
         top = max(x["predicted"] for x in rows)
         assert top == est.stages[r["pp_rank"]].peak_allocated_bytes      # the estimate's own walk, pass for pass
         assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.04, r["rank"]
+
+
+def test_received_input_counted_once_only_where_the_first_layer_is_moe():
+    # 8 layers, PP 2 x VPP 2 (2 layers a chunk), every other layer MoE: the MoE layer first in each chunk ([1, 0] x 4)
+    # or second ([0, 1] x 4), so each chunk has one MoE layer either way. Only where it is first is its held input
+    # (moe_dispatcher_state) the received tensor pipeline_inputs_retained counts: one [s, b, h] bf16 less per
+    # receiving chunk (s 1024, b 1, h 512: 1 MiB), 1 on the first stage (its chunk 0 gets the embedding's output) and
+    # 2 on the last (referee-measured rule: test_referee_after_step_schedule_tensors)
+    from megatron_memguard import estimate
+    vpp = ["--num-layers-per-virtual-pipeline-stage", "2"]
+    first = estimate(_resolve(vpp + ["--moe-layer-freq", "([1,0]*4)"]), device="cpu")
+    second = estimate(_resolve(vpp + ["--moe-layer-freq", "([0,1]*4)"]), device="cpu")
+    t = 1024 * 1 * 512 * 2
+    for st_first, st_second, receiving in zip(first.stages, second.stages, (1, 2)):
+        a = {x.name: x.bytes for x in st_first.terms}
+        b = {x.name: x.bytes for x in st_second.terms}
+        assert b["moe_dispatcher_state"] - a["moe_dispatcher_state"] == receiving * t
