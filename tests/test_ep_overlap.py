@@ -342,3 +342,89 @@ def test_referee_combined_schedule_pp2_vpp2():
     last = est.stages[1]
     assert last.peak_phase == "forward of micro-batch 3, chunk 1 (3 held)"
     assert {t.name: t.bytes for t in last.terms}["pipeline_inputs_retained"] == 5 * 256 * 2 * 256 * 2
+
+
+def _stored(name: str, config: str) -> dict:
+    import json
+    with open(os.path.join(os.path.dirname(HERE), "benchmarks", "results", name)) as f:
+        return {c["name"]: c for c in json.load(f)["configs"]}[config]
+
+
+def test_referee_after_step_schedule_tensors():
+    """What the combined 1F1B schedule leaves after the step (referee-moe-combined-vpp.json, core 0.16.1): per MoE
+    layer the dispatcher's probs keep an autograd graph ending in the layer's detached input (its storage and its
+    .grad); per receiving chunk TransformerBlock keeps the received input and its .grad. On a receiving chunk the first
+    layer's detached input is a view of the received tensor (ScheduleNode._forward detaches without a copy): three
+    [s, b, h] tensors per receiving chunk, not four. Counted from the stored storages: bf16 [256, 2, 256] made by the
+    schedule itself (phase 'it2 schedule', no layer), plus the router's and dispatch_preprocess's held maps; and
+    one fp32 rotary table [s, d] per model chunk (its own RotaryEmbedding's lru_cache)."""
+    from benchmarks.referee.grids.dense import resolve_config
+    from benchmarks.referee.grids.moe import MOE_GRID
+    from megatron_memguard import estimate
+    got = _stored("referee-moe-combined-vpp.json", "moe_pp2_vpp2_a2a_overlap")
+    cfg = next(c for c in MOE_GRID if c["name"] == "moe_pp2_vpp2_a2a_overlap")
+    L, _ = resolve_config(cfg["flags"], cfg["world_size"])
+    est = estimate(L, profile="local", device="cpu")
+    t = 256 * 2 * 256 * 2
+    for r in got["ranks"]:
+        rows = r["after_step_all_storages"]
+        schedule = [x for x in rows if x["phase"] == "it2 schedule" and x["shape"] == [256, 2, 256]]
+        held_maps = sum(x["bytes"] for x in rows if x["phase"].endswith((".router", ".dispatch_preprocess")))
+        tables = [x for x in rows if x["op"] == "cat" and x["shape"] == [256, 32] and x["dtype"] == "float32"]
+        n = sum(x["count"] for x in schedule)
+        # first stage: chunk 0 (embedding) 2 + chunk 1 (receiving) 3; last stage: 2 receiving chunks x 3
+        assert n == (5 if r["pp_rank"] == 0 else 6)
+        assert sum(x["bytes"] for x in schedule) == n * t
+        terms = {x.name: x.bytes for x in est.stages[r["pp_rank"]].terms}
+        # (at the peak the retained pairs are the pass's; after the step every receiving chunk's pair)
+        retained = 2 * t * (1 if r["pp_rank"] == 0 else 2)
+        assert terms["moe_dispatcher_state"] + retained == n * t + held_maps
+        assert sum(x["count"] for x in tables) == 2 and terms["rotary_cache"] == sum(x["bytes"] for x in tables)
+        # what is left: a few hundred bytes (Adam's step counters, loss-scale scalars, the routers' bookkeeping)
+        assert 0 < r["live_bytes_after_step"] - est.stages[r["pp_rank"]].persistent_bytes < 512
+
+
+@pytest.mark.parametrize("config,m", [("moe_pp2_vpp2_a2a_overlap", 4), ("moe_pp2_vpp2_a2a_overlap_mb6", 6),
+                                      ("moe_pp2_vpp2_a2a_overlap_mb2", 2)])
+def test_referee_combined_schedule_pass_by_pass(config, m):
+    """benchmarks/results/referee-moe-combined-passes.json (moe_grid --pass-trace, core 0.16.1): the live bytes at every
+    call of combined_1f1b_schedule_for_interleaved_pipelining in the second iteration, PP 2 x VPP 2 with 4, 6 and 2
+    micro-batches. Megatron's calls are memguard's passes in order (warm-up forwards, steady backward + forward steps,
+    cool-down backwards; compare_rank refuses otherwise), and each call peaks within 4% of memguard's value at that
+    pass (the two DP ranks of a stage route differently: up to 5.5 MB apart at the same call). A backward no forward
+    runs beside (the cool-down; with 2 micro-batches every backward, the first stage's peak) is taken at its own
+    working set: at the paired one (one more MoE layer's saved tensors, 6.5 MiB here) those calls were 4% to 9.6% high."""
+    from benchmarks.referee.combined_passes import compare_rank
+    from benchmarks.referee.grids.dense import resolve_config
+    from benchmarks.referee.grids.moe import MOE_GRID
+    from megatron_memguard import estimate
+    got = _stored("referee-moe-combined-passes.json", config)
+    cfg = next(c for c in MOE_GRID if c["name"] == config)
+    est = estimate(resolve_config(cfg["flags"], cfg["world_size"])[0], profile="local", device="cpu")
+    for r in got["ranks"]:
+        rows = compare_rank(got, r)
+        # every virtual micro-batch (m x VPP 2) forwarded once and backwarded once
+        assert sorted(x["f"] for x in rows if x["f"] is not None) == sorted(x["b"] for x in rows if x["b"] is not None) \
+            == list(range(2 * m))
+        for row in rows:
+            assert abs(row["err"]) <= 0.04, (r["rank"], row["f"], row["b"], row["err"])
+        top = max(x["predicted"] for x in rows)
+        assert top == est.stages[r["pp_rank"]].peak_allocated_bytes      # the estimate's own walk, pass for pass
+        assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.04, r["rank"]
+
+
+def test_received_input_counted_once_only_where_the_first_layer_is_moe():
+    # 8 layers, PP 2 x VPP 2 (2 layers a chunk), every other layer MoE: the MoE layer first in each chunk ([1, 0] x 4)
+    # or second ([0, 1] x 4), so each chunk has one MoE layer either way. Only where it is first is its held input
+    # (moe_dispatcher_state) the received tensor pipeline_inputs_retained counts: one [s, b, h] bf16 less per
+    # receiving chunk (s 1024, b 1, h 512: 1 MiB), 1 on the first stage (its chunk 0 gets the embedding's output) and
+    # 2 on the last (referee-measured rule: test_referee_after_step_schedule_tensors)
+    from megatron_memguard import estimate
+    vpp = ["--num-layers-per-virtual-pipeline-stage", "2"]
+    first = estimate(_resolve(vpp + ["--moe-layer-freq", "([1,0]*4)"]), device="cpu")
+    second = estimate(_resolve(vpp + ["--moe-layer-freq", "([0,1]*4)"]), device="cpu")
+    t = 1024 * 1 * 512 * 2
+    for st_first, st_second, receiving in zip(first.stages, second.stages, (1, 2)):
+        a = {x.name: x.bytes for x in st_first.terms}
+        b = {x.name: x.bytes for x in st_second.terms}
+        assert b["moe_dispatcher_state"] - a["moe_dispatcher_state"] == receiving * t

@@ -32,13 +32,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--update", action="store_true",
                    help="replace only the configurations run now in an existing --out file")
+    p.add_argument("--pass-trace", action="store_true",
+                   help="record the live bytes at every pass of the combined 1F1B schedule (worker.install_pass_trace)")
     a = p.parse_args(argv)
     cfgs = select(a.only)
     if a.list:
         for c in cfgs:
             print(f"{c['name']:<32} ws={c['world_size']}  {c['note']}")
         return
-    res = run_grid(cfgs, timeout=a.timeout, settings_of=lambda c: moe_settings(c)[1])
+    def settings_of(c):
+        s = moe_settings(c)[1]
+        return {**s, "referee_pass_trace": True} if a.pass_trace else s
+
+    res = run_grid(cfgs, timeout=a.timeout, settings_of=settings_of)
     import megatron.core
     import torch
 

@@ -105,6 +105,9 @@ MEGATRON_ARG_DEFAULTS: Dict[str, Any] = dict(
     # torch.no_grad, the schedule with forward_only=True at --eval-micro-batch-size): its micro-batch, None: none
     referee_eval_micro_batch_size=None,
     referee_eval_microbatches=2,
+    # record the live bytes at every pass of the combined 1F1B schedule (--overlap-moe-expert-parallel-comm under
+    # VPP): entry, exit and peak of each combined_1f1b_schedule_for_interleaved_pipelining call (install_pass_trace)
+    referee_pass_trace=False,
 )
 
 
@@ -455,6 +458,40 @@ def install_phase_hooks(tracker, phase_state):
     sched.backward_step = bwd
 
 
+def install_pass_trace(tracker, phase_state, trace: list) -> None:
+    """Record, per call of the combined 1F1B schedule's step (schedules.py forward_backward_helper_wrapper calls
+    combined_1f1b.combined_1f1b_schedule_for_interleaved_pipelining for every warm-up forward, steady
+    backward-and-forward and cool-down backward, megatron-core 0.16.1), its virtual micro-batches and the live bytes
+    at entry, at exit and at its peak, and the bytes made under the bare "itN schedule" label live at entry and
+    exit: the ones no layer's label claims (received inputs and their gradients, the chunks' input gradients, the
+    layers' detached inputs' gradients, and on the combined path the output layer and the loss, which no phase
+    hook labels there)."""
+    import megatron.core.pipeline_parallel.schedules as sched
+
+    orig = sched.combined_1f1b_schedule_for_interleaved_pipelining
+
+    def own(label: str) -> list:
+        recs = [r for r in tracker.live_now() if r[6] == label]
+        return [sum(r[2] for r in recs), len(recs)]
+
+    def step(*a, **k):
+        it = phase_state["iter"]
+        label = f"it{it} schedule"
+        n = len(trace)
+        entry = {"iter": it, "f": k.get("f_virtual_microbatch_id"), "b": k.get("b_virtual_microbatch_id"),
+                 "own_start": own(label)}
+        with tracker.region(f"pass{n}"):
+            out = orig(*a, **k)
+        res = tracker.region_result(f"pass{n}")
+        entry.update(start=res["start_bytes"], end=res["end_bytes"], peak=res["peak_bytes"],
+                     peak_phase=res["peak_phase"], own_end=own(label))
+        del tracker._regions[f"pass{n}"]
+        trace.append(entry)
+        return out
+
+    sched.combined_1f1b_schedule_for_interleaved_pipelining = step
+
+
 def _set_random_seed(seed_, data_parallel_random_init=False):
     """megatron/training/initialize.py _set_random_seed."""
     from megatron.core import mpu, tensor_parallel
@@ -700,6 +737,9 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
 
         forward_step = make_forward_step(args, tracker, phase_state)
         install_phase_hooks(tracker, phase_state)
+        pass_trace: list = []
+        if args.referee_pass_trace:
+            install_pass_trace(tracker, phase_state, pass_trace)
         forward_backward_func = get_forward_backward_func()
         data_seed = 4321 + mpu.get_data_parallel_rank()
         if len(model) > 1:
@@ -851,6 +891,7 @@ def run_rank(settings: Dict[str, Any], rank: int, world_size: int, port: int) ->
         "timings": timings,
         "referee_adam_kernel": args.referee_adam_kernel,
         **({"eval": result["eval"]} if "eval" in result else {}),
+        **({"pass_trace": pass_trace} if args.referee_pass_trace else {}),
     })
     torch.distributed.barrier()
     mpu.destroy_model_parallel()

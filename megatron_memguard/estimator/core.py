@@ -22,7 +22,7 @@ from ..layout import Chunk, Layout
 from ..partition import (MIXER_ATTENTION, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
-from ..schedule import p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
+from ..schedule import p2p_every_pass, p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
@@ -779,13 +779,16 @@ BufferRow = tuple[str, int, str, str, str]
 
 @lru_cache(maxsize=1024)
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
-                        received: int | None = None, input_folds: frozenset = frozenset({1})) -> tuple[BufferRow, ...]:
+                        received: int | None = None, input_folds: frozenset = frozenset({1}),
+                        moe_first_received: int = 0) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer);
     ``mtp_here``: it runs the MTP block (None: the last stage); ``received``: the activations its receiving chunks
     get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each); ``input_folds``: the
-    lengths of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage).
+    lengths of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage);
+    ``moe_first_received``: its receiving chunks whose received input is the input of an MoE layer whose dispatcher
+    keeps that input under the combined 1F1B schedule (_moe_buffers).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -823,7 +826,7 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         if (last if mtp_here is None else mtp_here) and L.mtp_num_layers:
             # MoE MTP layers have their own dispatchers (one depth's when repeated)
             n_moe += mtp_layers_built(L) * sum(k for kind, k in mtp_stack_runs(L) if kind.mlp == MLP_MOE)
-        rows = _moe_buffers(L, rows, n_moe)
+        rows = _moe_buffers(L, rows, n_moe, moe_first_received * p2p_tensor_bytes(L))
     uniform = uniform_kind(L)
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
@@ -834,6 +837,12 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
         # stage; forward's lru_cache keeps one table per length
         n = sum(input_folds)
         rotary = (rotary[0] * n, rotary[1] + f", one table per input length ({', '.join(f'{k} s' for k in sorted(input_folds))})")
+    elif rotary and mixer == MIXER_ATTENTION and len(stage_runs) > 1:
+        # each model chunk is a GPTModel with its own RotaryEmbedding, whose forward's lru_cache is keyed on the
+        # instance too (models/common/embeddings/rotary_pos_embedding.py, megatron-core 0.16.1 and 0.19.2): one table
+        # per chunk under VPP (CPU referee moe_pp2_vpp2_a2a_overlap: two [s, 32] fp32 tables per rank after the step)
+        n = len(stage_runs)
+        rotary = (rotary[0] * n, rotary[1] + f", one per model chunk ({n})")
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(rows)
@@ -847,17 +856,26 @@ def _moe_layer_buffers(L: Layout) -> tuple[int, int, int]:
     return moe.held_bytes(L), moe.router_buffer_bytes(L.moe), moe.global_buffer_request(L, L.moe)
 
 
-def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow]:
+def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int, shared: int = 0) -> list[BufferRow]:
     """What MoE layers keep between iterations: their dispatchers' state, the routers' fp32 buffers,
-    and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest)."""
+    and the allgather dispatcher's request of the GlobalMemoryBuffer (the entry keeps the largest). ``shared``:
+    bytes of the held state that are received inputs, counted with pipeline_inputs_retained."""
     if not n_moe:
         return rows
     per_layer, router, gb = _moe_layer_buffers(L)
     held = per_layer * n_moe
     if held:
-        rows.append(("moe_dispatcher_state", held, "transients", "allocated",
-                     f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next "
-                     "forward"))
+        detail = (f"routing maps and probs the token dispatchers of {n_moe} MoE layer(s) keep until the layer's next "
+                  "forward")
+        if shared:
+            # combined 1F1B: the held probs' graph ends in the first layer's detached input (held_bytes), which on a
+            # receiving chunk is a view of the received tensor TransformerBlock keeps (ScheduleNode._forward detaches
+            # without a copy, megatron-core 0.16.1 and 0.19.2); its gradient is a tensor of its own, apart from the
+            # received tensor's .grad, which AccumulateGrad clones (CPU referee moe_pp2_vpp2_a2a_overlap: 3, not 4,
+            # [s, b, h] tensors per receiving chunk after the step)
+            held -= shared
+            detail += f", less {format_bytes(shared)} of received inputs counted with pipeline_inputs_retained"
+        rows.append(("moe_dispatcher_state", held, "transients", "allocated", detail))
     rb = router * n_moe
     if rb:
         rows.append(("moe_router_buffers", rb, "weights", "allocated",
@@ -873,12 +891,26 @@ def _moe_buffers(L: Layout, rows: list[BufferRow], n_moe: int) -> list[BufferRow
     return rows
 
 
+def _moe_first_received(L: Layout, receiving: list[int], stage_runs: tuple) -> int:
+    """The chunks whose received [s/CP, b, h] input is the input of a first MoE layer whose alltoall dispatcher keeps
+    it under the combined 1F1B schedule (--overlap-moe-expert-parallel-comm; layers.moe.held_bytes)."""
+    m = L.moe
+    if m is None or not m.overlap_moe_expert_parallel_comm or m.moe_token_dispatcher_type != "alltoall":
+        return 0
+    n = 0
+    for r, runs in zip(receiving, stage_runs):
+        first = next((kind for kind, k in runs if k), None)
+        n += r == 1 and first is not None and first.mlp == MLP_MOE
+    return n
+
+
 def _terms_of(rows: tuple[BufferRow, ...] | list[BufferRow]) -> tuple[Term, ...]:
     """The Term of each (name, bytes, group, level, detail) row."""
     return tuple([Term(*r) for r in rows])
 
 
-def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool]) -> tuple | None:
+def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[bool],
+                    solo: Callable[[], tuple] | None = None) -> tuple | None:
     """What the interleaved schedule's peak needs of a stage's chunks (None: one chunk, 1F1B): per chunk
     the bytes a micro-batch keeps, the forward's transient, the backward's at its start and at its end
     (its own micro-batch released), the larger of the two, the retained pipeline inputs, and whether the
@@ -902,7 +934,64 @@ def _schedule_bytes(L: Layout, acts: list[ChunkActivations], receiving: list[boo
         top.append(t)
         bottom.append(b)
         larger.append(t if t >= b else b)
-    return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts])
+    # (solo: the combined 1F1B schedule's backwards without a forward beside them, made when a peak needs them)
+    return sizes, fwd, top, bottom, larger, retained, all([a is acts[0] for a in acts]), solo
+
+
+@lru_cache(maxsize=256)
+def _solo_backwards(L: Layout, chunk_args: tuple) -> tuple[tuple[int, ...], ...]:
+    """The combined 1F1B schedule's backwards that no forward runs beside (_without_paired_forward), per chunk made
+    from its _chunk_activations arguments ``chunk_args``: the backward's top and bottom (as _schedule_bytes gives
+    them), the larger of the two, and its bottom working set."""
+    alone_L = _without_paired_forward(L)
+    acts = [_chunk_activations(alone_L, *a) for a in chunk_args]
+    top = tuple([a.bwd_top_extra for a in acts])
+    bottom = tuple([a.bwd_bottom_extra - a.held for a in acts])
+    return top, bottom, tuple([x if x >= y else y for x, y in zip(top, bottom)]), tuple([a.bwd_bottom_extra for a in acts])
+
+
+def _without_paired_forward(L: Layout) -> Layout | None:
+    """The layout whose layers' backward has no forward layer beside it, for the combined 1F1B schedule's backwards
+    that run alone (None: not that schedule under PP). TransformerModelChunkSchedulePlan.run pairs a backward layer
+    with a forward layer only in a steady step; a cool-down backward (and every backward when the warm-up takes all
+    forwards) runs its layers by themselves (megatron-core 0.16.1 and 0.19.2 model_chunk_schedule_plan.py; CPU
+    referee moe_pp2_vpp2_a2a_overlap*: such backwards of a chunk without the loss peak 1.9-2.9 MiB above their start,
+    against 3.25 MiB alone and 9.78 MiB paired)."""
+    m = L.moe
+    if m is None or not m.overlap_moe_expert_parallel_comm or L.pp == 1:
+        return None
+    # ('moe' recompute stays off: the combined schedule never runs the checkpointed MoELayer.forward)
+    return replace(L, moe=replace(m, overlap_moe_expert_parallel_comm=False)).replace(
+        recompute_modules=tuple([x for x in L.recompute_modules if x != "moe"]))
+
+
+def _runs_alone(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple, overlap: bool,
+                probe: tuple) -> bool:
+    """Whether the combined 1F1B schedule's backward ``probe`` has no forward after it in the same step (a cool-down
+    backward, or any when the warm-up takes every forward)."""
+    passes = p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, True)
+    i = next(i for i, (p, _) in enumerate(passes) if p == probe)
+    return i == len(passes) - 1 or not passes[i + 1][0][0]
+
+
+@lru_cache(maxsize=1024)
+def _combined_walk_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple, overlap: bool,
+                        sizes: tuple, fwd_extra: tuple, bwd_extra: tuple, bwd_alone: tuple,
+                        t: int) -> tuple[int, int, tuple, bool]:
+    """schedule.p2p_walk_peak with a backward that no forward follows in the same step (cool-down, or all of them
+    when the warm-up takes every forward) given ``bwd_alone`` instead of ``bwd_extra``: (the first pass with the
+    most held bytes + transient + pipeline tensors, the pipeline tensors' bytes, its probe, whether it is such a
+    backward)."""
+    passes = p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, True)
+    best, retained, probe, solo = -1, 0, None, False
+    last = len(passes) - 1
+    for i, (p, u) in enumerate(passes):
+        alone = not p[0] and (i == last or not passes[i + 1][0][0])
+        v = (sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_alone if alone else bwd_extra)[p[1]]
+             + t * u)
+        if v > best or probe is None:
+            best, retained, probe, solo = v, t * u, p, alone
+    return best, retained, probe, solo
 
 
 @lru_cache(maxsize=1024)
@@ -931,16 +1020,27 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     peak, pass and counts a replay of every pass gives (tests/test_schedule_p2p.py)."""
     if sched is None:
         return _peak_one_chunk(L, pp_rank, acts[0])
-    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, receiving, alike = sched
+    sizes, fwd_extra, top_extra, bottom_extra, bwd_extra, receiving, alike, solo = sched
     # --overlap-moe-expert-parallel-comm runs the combined 1F1B schedule (schedule.py)
     combined = L.moe is not None and L.moe.overlap_moe_expert_parallel_comm
     group = L.microbatch_group_size_per_vp_stage or L.pp
     t = p2p_tensor_bytes(L)
+    bottom_at = None                        # the backward's bottom working set per chunk at the peak (None: acts')
     if combined:
         # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass)
         best, retained, probe = p2p_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
                                               L.overlap_p2p_comm, True, tuple(sizes), tuple(fwd_extra),
                                               tuple(bwd_extra), t)
+        if not probe[0] and solo is not None and _runs_alone(L.pp, L.vpp, L.num_microbatches, group, pp_rank,
+                                                             receiving, L.overlap_p2p_comm, probe):
+            # a peak at a backward no forward runs beside: walked again with such backwards at their own working set,
+            # never larger (a forward or paired peak stays the first largest pass without the walk)
+            bs = solo()
+            best, retained, probe, alone = _combined_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank,
+                                                               receiving, L.overlap_p2p_comm, tuple(sizes),
+                                                               tuple(fwd_extra), tuple(bwd_extra), bs[2], t)
+            if alone:
+                top_extra, bottom_extra, bottom_at = bs[0], bs[1], bs[3]
         best -= retained
     else:
         # the held bytes plus the pipeline's own tensors at each pass that can peak (schedule.p2p_probes)
@@ -955,7 +1055,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     elif top_extra[ci] >= bottom_extra[ci]:
         where, extra = "backward", top_extra[ci]
     else:                                   # its own micro-batch already released
-        where, extra = "end of backward", acts[ci].bwd_bottom_extra
+        where, extra = "end of backward", acts[ci].bwd_bottom_extra if bottom_at is None else bottom_at[ci]
         held[ci] -= 1
     n = sum(held)
     phase = f"{where} of micro-batch {nth}, chunk {ci} ({n} held)"
@@ -1258,6 +1358,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     receiving: list[int] = []
     mtp_here = False                          # the stage runs the MTP block
     depths = getattr(L, "mtp_num_layers", 0) or 0
+    chunk_args: list[tuple] = []
     for c in chunks:
         n_layers += c.num_layers
         has_output = has_output or c.has_output
@@ -1270,12 +1371,13 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         if depths:
             chunk_mtp = holds_mtp(L, c)
             mtp_here = mtp_here or chunk_mtp
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp,
-                                           held_grad))
+            args = (c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp, held_grad)
             receiving.append(0 if first else 1 + depths if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
         else:
-            acts.append(_chunk_activations(L, c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad))
+            args = (c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad)
             receiving.append(0 if first else 1)
+        acts.append(_chunk_activations(L, *args))
+        chunk_args.append(args)
     widened = 1 + depths
     stage_runs = tuple(runs_of)
     ft = None
@@ -1333,7 +1435,8 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(map(bool, receiving)), stage_runs, mtp_here,
-                                      sum(receiving), frozenset([max(1, r) for r in receiving]))
+                                      sum(receiving), frozenset([max(1, r) for r in receiving]),
+                                      _moe_first_received(L, receiving, stage_runs))
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
@@ -1368,7 +1471,10 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
              and not (L.optimizer in MUON_OPTIMIZERS and not L.freeze_all_layers))
     # (positional, in the fields' order: one per stage shape of every cold estimate)
     return _StagePrep(
-        st.parameters, n_layers, has_output, has_moe, tuple(acts), _schedule_bytes(L, acts, receiving), ft,
+        st.parameters, n_layers, has_output, has_moe, tuple(acts),
+        _schedule_bytes(L, acts, receiving, partial(_solo_backwards, L, tuple(chunk_args))
+                        if ft is None and L.moe is not None and L.moe.overlap_moe_expert_parallel_comm and L.pp > 1
+                        else None), ft,
         state_terms, step_terms, host_terms, host_bytes, partial(_terms_of, buffer_rows),
         partial(_terms_of, retained_rows), staging, deferred, fixed_alloc, device_only, device_bytes,
         lambda: f"caching-allocator slack, {site.allocator_fragmentation:.0%} of peak allocated",  # frag_detail

@@ -770,7 +770,8 @@ def activations(L: Any, mods: set, G: int) -> "MlpActivations":
     extra = 0
     if L.moe.overlap_moe_expert_parallel_comm:
         # the combined 1F1B schedule runs a forward layer of the next micro-batch next to each backward
-        # layer: about one more layer's MoE tensors alive during the backward (moe-fp8.md 1.11, derived)
+        # layer: about one more layer's MoE tensors alive during the backward (moe-fp8.md 1.11, derived); a backward
+        # that runs alone (cool-down) is taken without it (core._without_paired_forward)
         extra = a.total
     remade = 0
     if "moe" in mods:
