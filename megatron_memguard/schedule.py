@@ -717,6 +717,193 @@ def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool
     return tuple([(*k[:7], tuple(k[7]), sum(k[2]), k[2].count(0)) for k in keys.values()])
 
 
+def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
+                 sizes: tuple[int, ...], fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...],
+                 t: int) -> tuple[int, int, Probe] | None:
+    """p2p_peak for a schedule Megatron runs whose micro-batches fill whole groups (m a multiple of G, PP <= G, PP > 2
+    or overlap_p2p_comm) and whose bytes are not negative, by periods instead of sampled passes; None when it does not
+    apply or when a warm-up or cool-down pass might reach the steady state's peak (p2p_peak then samples the passes).
+
+    In the steady state the held counts of pair j repeat with j mod (VPP x G) (_counts: a period later every chunk
+    has G more forwards and G more backwards), so one walk over a period gives each pair's held bytes (a forward adds
+    its chunk's, a backward releases its chunk's) and idle chunks; with the other terms of p2p_units_bound at their
+    largest that bounds every pair of the same phase. The phases are taken by that bound, the largest (then the
+    earliest) first; within one, its pairs where the pipeline tensors can differ (the first three periods, the period
+    after the warm-up's last input is released, the last G + PP pairs: every pass p2p_passes samples, and more) are
+    counted (p2p_tensors_at) where their own bound can still win. The first such pass with the most is the first of
+    every pass, hence of the sampled ones (benchmarks/p2p_peak_equivalence.py). A warm-up pass holds at most the
+    bytes of its run's last pass and a cool-down pass those of its run's first (each run: one chunk): their bounds
+    must stay below the peak found (a warm-up pass comes first: equal is not enough)."""
+    G = group
+    n = len(sizes)
+    if not (2 <= pp <= G <= m and vpp >= 2 and m % G == 0 and (overlap or pp > 2)
+            and n == vpp == len(receiving) == len(fwd_extra) == len(bwd_extra)):
+        return None
+    if min(sizes) < 0 or min(fwd_extra) < 0 or min(bwd_extra) < 0 or min(receiving) < 0:
+        return None
+    P = vpp * G
+    total = m * vpp
+    warm, _, cw, nw, yw = _lingering(pp, vpp, m, G, pp_rank, overlap)
+    steady = total - warm
+    if steady <= 0:
+        return None
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    top = vpp - 1
+    g1 = G + 1
+    r = max(receiving)
+    rl = 2 * receiving[cw] if cw >= 0 else 0
+    # the largest a x r + l x rl + c of p2p_units_bound over the steady pairs, forward and backward passes
+    cap_f = ((g1 if first else 0) + 1) * r + rl + (g1 if last else 1)
+    cap_b = ((g1 if first else 1 if overlap else 0) + 1) * r + rl + (g1 + 1 if last else 1)
+
+    # one period of pairs: pair u holds _counts(u + warm + 1) less the backwards' reversed _counts(u)
+    held = _counts(warm + 1, vpp, m, G)
+    h = sum(map(mul, held, sizes))
+    idle = sum([x for c, x in zip(held, receiving) if not c])
+    phases = []
+    add = phases.append
+    span = P if steady > P else steady
+    cf = (warm % P) // G
+    for u in range(span):
+        cb = top - u // G
+        add((-(h + fwd_extra[cf] + t * (2 * idle + cap_f)), 2 * u, u, True, cf, h, idle))
+        add((-(h + bwd_extra[cb] + t * (2 * idle + cap_b)), 2 * u + 1, u, False, cb, h, idle))
+        # the pair's backward releases a micro-batch of cb, the next pair's forward adds one of its chunk
+        held[cb] -= 1
+        h -= sizes[cb]
+        if not held[cb]:
+            idle += receiving[cb]
+        cf = ((u + 1 + warm) % P) // G
+        if not held[cf]:
+            idle -= receiving[cf]
+        held[cf] += 1
+        h += sizes[cf]
+    phases.sort()
+
+    # the pairs of a phase counted: the first three periods, the period after the release, the last G + PP pairs
+    early = 3 * P if steady > 3 * P else steady
+    after = yw + 2                          # (_lingering's yw is m x VPP without a lingering input: none)
+    tail = steady - G - pp if steady > G + pp else 0
+    best, at, retained, probe = -1, -1, 0, None
+    for bound, o, u, fwd, c, h, idle in phases:
+        if -bound < best or (-bound == best and o + warm > at):
+            break
+        js = set(range(u, early, P))
+        j = after + (u - after) % P
+        if j < steady:
+            js.add(j)
+        j = tail + (u - tail) % P
+        if j < steady:
+            js.add(j)
+        v0 = h + (fwd_extra[c] if fwd else bwd_extra[c]) + t * 2 * idle
+        for k in sorted(js):
+            order = warm + 2 * k + (not fwd)
+            # p2p_passes' a, l and c of the pass (p2p_units_bound)
+            q = 1 if not fwd and overlap and k < steady - 1 else 0
+            if first:
+                a = warm + k + q - pp + 1
+                a = 0 if a < 0 else g1 if a > g1 else a
+            else:
+                a = q
+            if k >= 1:
+                a += 1
+            if last:
+                cc = k - pp + 1
+                cc = 0 if cc < 0 else g1 if cc > g1 else cc
+            else:
+                cc = 1 if fwd else 0
+            if not fwd:
+                cc += 1
+            b = v0 + t * (a * r + (rl if cw >= 0 and yw < k else 0) + cc)
+            if b < best or (b == best and order > at):
+                continue
+            # p2p_tensors_at of the pass, its steady terms beside the idle pairs
+            x = warm + k                    # the pair's forward position
+            units = 2 * idle
+            if first:                       # inputs received ahead (up to G + 1 steps back)
+                steps = x + q
+                for s in range(steps - g1 if steps > g1 else 0, steps):
+                    z = _received_for(pp, vpp, m, G, pp_rank, s)
+                    if z > x:
+                        units += receiving[((z % P) // G)]
+            elif q:                         # the next forward's input, received after this backward
+                units += receiving[((x + 1) % P) // G]
+            # the warm-up's last input, past its release (once only if it is also its idle chunk's block input)
+            linger = (cw >= 0 and yw < k and receiving[cw] and not (
+                _held_at(x + 1, k, cw, P, G, top) == 0 and _count_at(x + 1, cw, P, G) == nw))
+            if linger:
+                units += rl
+            if k >= 1:                      # the previous backward's input gradient
+                pc = top - ((k - 1) % P) // G
+                if _held_at(x + 1, k, pc, P, G, top) and not (linger and k - 1 == yw):
+                    units += receiving[pc]
+            if last:                        # output gradients received ahead
+                done = k if fwd else k + 1
+                for s in range(k - g1 if k > g1 else 0, k):
+                    if _grad_received_for(pp, vpp, m, G, pp_rank, s) >= done:
+                        units += 1
+                if not fwd and (x % P) // G != top:
+                    units += 1              # the pair's forward output
+            elif fwd:
+                units += 1                  # the pair's output gradient, received
+            else:
+                units += 1                  # the pair's forward output
+            units *= t
+            v = v0 - t * 2 * idle + units
+            if v > best or (v == best and order < at):
+                best, at, retained, probe = v, order, units, (k, fwd)
+
+    # the warm-up's runs (one chunk each; the idle chunks the same after its first pass): its last pass's held bytes,
+    # the first stage's queued inputs at their largest
+    held = [0] * vpp
+    h, idle = 0, sum(receiving)
+    q = g1 * r if first else 0
+    x = 0
+    while x < warm:
+        c = (x % P) // G
+        x1 = (x // G + 1) * G
+        if x1 > warm:
+            x1 = warm
+        if not held[c]:
+            idle -= receiving[c]
+        held[c] += x1 - x
+        h += (x1 - x) * sizes[c]
+        if h + fwd_extra[c] + t * (2 * idle + q) >= best:
+            return None
+        x = x1
+    # the cool-down's runs: its first pass's held bytes, the other terms at their largest
+    before = _counts(steady, vpp, m, G)
+    held = [m - d for d in reversed(before)]
+    h = sum(map(mul, held, sizes))
+    idle = sum([x for c, x in zip(held, receiving) if not c])
+    q = r + rl + (g1 if last else 0)
+    y = steady
+    while y < total:
+        cb = top - (y % P) // G
+        y1 = (y // G + 1) * G
+        if y1 > total:
+            y1 = total
+        if h + bwd_extra[cb] + t * (2 * idle + q) > best:
+            return None
+        held[cb] -= y1 - y
+        h -= (y1 - y) * sizes[cb]
+        if not held[cb]:
+            idle += receiving[cb]
+        y = y1
+    return best, retained, steady_pass(pp, vpp, m, G, pp_rank, probe[0], probe[1])
+
+
+def _count_at(a: int, c: int, P: int, G: int) -> int:
+    """_counts(a)[c] within whole groups (a period P = VPP x G positions, G per chunk)."""
+    o = a % P - c * G
+    return (a // P) * G + (0 if o < 0 else G if o > G else o)
+
+
+def _held_at(a: int, k: int, c: int, P: int, G: int, top: int) -> int:
+    """Micro-batches chunk c holds after ``a`` forwards and ``k`` backwards, within whole groups."""
+    return _count_at(a, c, P, G) - _count_at(k, top - c, P, G)
+
+
 def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
              sizes: tuple[int, ...], fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...],
              t: int) -> tuple[int, int, Probe] | None:
@@ -730,6 +917,9 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     first, until it can no longer beat the best found; within them, only the passes whose own bound can."""
     if t <= 0:
         return None
+    got = _steady_peak(pp, vpp, m, group, pp_rank, receiving, overlap, sizes, fwd_extra, bwd_extra, t)
+    if got is not None:
+        return got
     passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
     cw = _lingering(pp, vpp, m, group, pp_rank, overlap)[2]
     r = max(receiving, default=0)
