@@ -756,19 +756,42 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
     cap_f = ((g1 if first else 0) + 1) * r + rl + (g1 if last else 1)
     cap_b = ((g1 if first else 1 if overlap else 0) + 1) * r + rl + (g1 + 1 if last else 1)
 
+    # the steady pairs p2p_passes samples (whole groups: _runs' steady runs are those of the first period, split
+    # where the forward's or the backward's chunk changes), by phase
+    span = P if steady > P else steady
+    ys = yw if cw >= 0 else -1              # (p2p_passes' lingering_backward)
+    edge = (0, 1, G - 1)
+    cuts = sorted({0, span, *range(0, span, G), *range((G - warm) % G, span, G)})
+    base = {j for j in (ys, ys + 1, ys + 2) if 0 <= j < span}
+    base.update(range(steady - G - pp if steady > G + pp else 0, span))
+    for k, e in zip(cuts, cuts[1:]):
+        base.update((k, e - 1))
+        if e - k > 2:
+            base.update((k + 1, e - 2))
+    if first or last:
+        base.update([j for j in range(span) if (j + warm) % G in edge or (j + warm - pp + 1) % G in edge])
+    sampled: dict[int, list[int]] = {}
+    for j in base:
+        more = [j, j + P, j + 2 * P]
+        if j <= ys + 1:                     # the first period after the warm-up's last input is released
+            more.append(((ys + 1 - j) // P + 1) * P + j)
+        sampled[j] = sorted({x for x in more if x < steady})
+
     # one period of pairs: pair u holds _counts(u + warm + 1) less the backwards' reversed _counts(u)
     held = _counts(warm + 1, vpp, m, G)
     h = sum(map(mul, held, sizes))
     idle = sum([x for c, x in zip(held, receiving) if not c])
     phases = []
     add = phases.append
-    span = P if steady > P else steady
     cf = (warm % P) // G
     for u in range(span):
+        js = sampled.get(u)
+        if js is not None:
+            cb = top - u // G
+            add((-(h + fwd_extra[cf] + t * (2 * idle + cap_f)), 2 * js[0], js, True, cf, h, idle))
+            add((-(h + bwd_extra[cb] + t * (2 * idle + cap_b)), 2 * js[0] + 1, js, False, cb, h, idle))
+        # the pair's backward releases a micro-batch of its chunk, the next pair's forward adds one of its chunk
         cb = top - u // G
-        add((-(h + fwd_extra[cf] + t * (2 * idle + cap_f)), 2 * u, u, True, cf, h, idle))
-        add((-(h + bwd_extra[cb] + t * (2 * idle + cap_b)), 2 * u + 1, u, False, cb, h, idle))
-        # the pair's backward releases a micro-batch of cb, the next pair's forward adds one of its chunk
         held[cb] -= 1
         h -= sizes[cb]
         if not held[cb]:
@@ -780,23 +803,12 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
         h += sizes[cf]
     phases.sort()
 
-    # the pairs of a phase counted: the first three periods, the period after the release, the last G + PP pairs
-    early = 3 * P if steady > 3 * P else steady
-    after = yw + 2                          # (_lingering's yw is m x VPP without a lingering input: none)
-    tail = steady - G - pp if steady > G + pp else 0
     best, at, retained, probe = -1, -1, 0, None
-    for bound, o, u, fwd, c, h, idle in phases:
+    for bound, o, js, fwd, c, h, idle in phases:
         if -bound < best or (-bound == best and o + warm > at):
             break
-        js = set(range(u, early, P))
-        j = after + (u - after) % P
-        if j < steady:
-            js.add(j)
-        j = tail + (u - tail) % P
-        if j < steady:
-            js.add(j)
         v0 = h + (fwd_extra[c] if fwd else bwd_extra[c]) + t * 2 * idle
-        for k in sorted(js):
+        for k in js:
             order = warm + 2 * k + (not fwd)
             # p2p_passes' a, l and c of the pass (p2p_units_bound)
             q = 1 if not fwd and overlap and k < steady - 1 else 0
@@ -817,37 +829,49 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
             b = v0 + t * (a * r + (rl if cw >= 0 and yw < k else 0) + cc)
             if b < best or (b == best and order > at):
                 continue
-            # p2p_tensors_at of the pass, its steady terms beside the idle pairs
+            # p2p_tensors_at of the pass, its steady terms beside the idle pairs. Within whole groups a receive after
+            # step s brings position s - PP + 1 + G (its next chunk's, the same ordinal) on the first stage, likewise
+            # the last stage's output gradients (_received_for, _grad_received_for), none for the last chunk's
             x = warm + k                    # the pair's forward position
             units = 2 * idle
             if first:                       # inputs received ahead (up to G + 1 steps back)
                 steps = x + q
-                for s in range(steps - g1 if steps > g1 else 0, steps):
-                    z = _received_for(pp, vpp, m, G, pp_rank, s)
-                    if z > x:
-                        units += receiving[((z % P) // G)]
+                for s in range(steps - g1 if steps > g1 else 0, steps if steps < total - 1 else total - 1):
+                    z = s - pp + 1
+                    if z >= 0 and z + G > x:
+                        cz = (z % P) // G
+                        if cz != top:
+                            units += receiving[cz + 1]
             elif q:                         # the next forward's input, received after this backward
                 units += receiving[((x + 1) % P) // G]
-            # the warm-up's last input, past its release (once only if it is also its idle chunk's block input)
-            linger = (cw >= 0 and yw < k and receiving[cw] and not (
-                _held_at(x + 1, k, cw, P, G, top) == 0 and _count_at(x + 1, cw, P, G) == nw))
-            if linger:
-                units += rl
+            # the warm-up's last input, past its release (once only if it is also its idle chunk's block input);
+            # chunk c's held count after x + 1 forwards and k backwards: _counts(x + 1)[c] - _counts(k)[top - c]
+            linger = False
+            if cw >= 0 and yw < k and receiving[cw]:
+                o = (x + 1) % P - cw * G
+                after_w = ((x + 1) // P) * G + (0 if o < 0 else G if o > G else o)
+                o = k % P - (top - cw) * G
+                linger = not (after_w == nw and after_w == (k // P) * G + (0 if o < 0 else G if o > G else o))
+                if linger:
+                    units += rl
             if k >= 1:                      # the previous backward's input gradient
-                pc = top - ((k - 1) % P) // G
-                if _held_at(x + 1, k, pc, P, G, top) and not (linger and k - 1 == yw):
+                tc = ((k - 1) % P) // G
+                pc = top - tc
+                o = (x + 1) % P - pc * G
+                o2 = k % P - tc * G
+                if (((x + 1) // P) * G + (0 if o < 0 else G if o > G else o) != (k // P) * G
+                        + (0 if o2 < 0 else G if o2 > G else o2)) and not (linger and k - 1 == yw):
                     units += receiving[pc]
             if last:                        # output gradients received ahead
                 done = k if fwd else k + 1
-                for s in range(k - g1 if k > g1 else 0, k):
-                    if _grad_received_for(pp, vpp, m, G, pp_rank, s) >= done:
+                for s in range(k - g1 if k > g1 else 0, k if k < total - 1 else total - 1):
+                    z = s - pp + 1
+                    if z >= 0 and z + G >= done and (z % P) // G != top:
                         units += 1
                 if not fwd and (x % P) // G != top:
                     units += 1              # the pair's forward output
-            elif fwd:
-                units += 1                  # the pair's output gradient, received
             else:
-                units += 1                  # the pair's forward output
+                units += 1                  # the pair's output gradient received (forward) or forward output (backward)
             units *= t
             v = v0 - t * 2 * idle + units
             if v > best or (v == best and order < at):
@@ -891,17 +915,6 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
             idle += receiving[cb]
         y = y1
     return best, retained, steady_pass(pp, vpp, m, G, pp_rank, probe[0], probe[1])
-
-
-def _count_at(a: int, c: int, P: int, G: int) -> int:
-    """_counts(a)[c] within whole groups (a period P = VPP x G positions, G per chunk)."""
-    o = a % P - c * G
-    return (a // P) * G + (0 if o < 0 else G if o > G else o)
-
-
-def _held_at(a: int, k: int, c: int, P: int, G: int, top: int) -> int:
-    """Micro-batches chunk c holds after ``a`` forwards and ``k`` backwards, within whole groups."""
-    return _count_at(a, c, P, G) - _count_at(k, top - c, P, G)
 
 
 def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
