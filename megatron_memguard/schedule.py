@@ -770,12 +770,6 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
             base.update((k + 1, e - 2))
     if first or last:
         base.update([j for j in range(span) if (j + warm) % G in edge or (j + warm - pp + 1) % G in edge])
-    sampled: dict[int, list[int]] = {}
-    for j in base:
-        more = [j, j + P, j + 2 * P]
-        if j <= ys + 1:                     # the first period after the warm-up's last input is released
-            more.append(((ys + 1 - j) // P + 1) * P + j)
-        sampled[j] = sorted({x for x in more if x < steady})
 
     # one period of pairs: pair u holds _counts(u + warm + 1) less the backwards' reversed _counts(u)
     held = _counts(warm + 1, vpp, m, G)
@@ -784,14 +778,18 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
     phases = []
     add = phases.append
     cf = (warm % P) // G
+    # (the warm-up's last pass holds pair 0's micro-batches but its forward's, a cool-down pass at most the last pair's)
+    h_warm = h - sizes[cf]
+    u_last = (steady - 1) % P
+    h_cool = h
     for u in range(span):
-        js = sampled.get(u)
-        if js is not None:
-            cb = top - u // G
-            add((-(h + fwd_extra[cf] + t * (2 * idle + cap_f)), 2 * js[0], js, True, cf, h, idle))
-            add((-(h + bwd_extra[cb] + t * (2 * idle + cap_b)), 2 * js[0] + 1, js, False, cb, h, idle))
-        # the pair's backward releases a micro-batch of its chunk, the next pair's forward adds one of its chunk
         cb = top - u // G
+        if u == u_last:
+            h_cool = h
+        if u in base:
+            add((-(h + fwd_extra[cf] + t * (2 * idle + cap_f)), 2 * u, u, True, cf, h, idle))
+            add((-(h + bwd_extra[cb] + t * (2 * idle + cap_b)), 2 * u + 1, u, False, cb, h, idle))
+        # the pair's backward releases a micro-batch of its chunk, the next pair's forward adds one of its chunk
         held[cb] -= 1
         h -= sizes[cb]
         if not held[cb]:
@@ -804,11 +802,20 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
     phases.sort()
 
     best, at, retained, probe = -1, -1, 0, None
-    for bound, o, js, fwd, c, h, idle in phases:
+    for bound, o, u, fwd, c, h, idle in phases:
         if -bound < best or (-bound == best and o + warm > at):
             break
+        # its pairs sampled: a period and two later, the first period after the warm-up's last input is released
+        js = [u, u + P, u + 2 * P]
+        if u <= ys + 1:
+            j = ((ys + 1 - u) // P + 1) * P + u
+            if j not in js:
+                js.append(j)
+                js.sort()
         v0 = h + (fwd_extra[c] if fwd else bwd_extra[c]) + t * 2 * idle
         for k in js:
+            if k >= steady:
+                break
             order = warm + 2 * k + (not fwd)
             # p2p_passes' a, l and c of the pass (p2p_units_bound)
             q = 1 if not fwd and overlap and k < steady - 1 else 0
@@ -882,7 +889,7 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
     held = [0] * vpp
     h, idle = 0, sum(receiving)
     q = g1 * r if first else 0
-    x = 0
+    x = 0 if h_warm + max(fwd_extra) + t * (2 * idle + q) >= best else warm   # (all of them below: none to walk)
     while x < warm:
         c = (x % P) // G
         x1 = (x // G + 1) * G
@@ -896,11 +903,13 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
             return None
         x = x1
     # the cool-down's runs: its first pass's held bytes, the other terms at their largest
+    q = r + rl + (g1 if last else 0)
+    if h_cool + max(bwd_extra) + t * (2 * sum(receiving) + q) <= best:
+        return best, retained, steady_pass(pp, vpp, m, G, pp_rank, probe[0], probe[1])
     before = _counts(steady, vpp, m, G)
     held = [m - d for d in reversed(before)]
     h = sum(map(mul, held, sizes))
     idle = sum([x for c, x in zip(held, receiving) if not c])
-    q = r + rl + (g1 if last else 0)
     y = steady
     while y < total:
         cb = top - (y % P) // G
