@@ -11,14 +11,15 @@ reverse chunk order. With ``--overlap-moe-expert-parallel-comm`` the interleaved
 combined 1F1B one (``get_pp_rank_microbatches``, ``combined_1f1b_schedule_for_interleaved_pipelining``,
 megatron-core 0.16.1 / 0.19.2): one more warm-up forward, and each steady step runs the backward of
 micro-batch k and the forward of k + warm-up together, which in memory order is the backward first.
-``peak_probes`` (``schedule_peak``) are the passes at which the bytes held alone can first peak, whatever each
-chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py checks it against a replay of
-every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own
-schedule table). The estimator takes the interleaved peak with the schedule's own activation-sized tensors
-(``p2p_tensors_at``) from ``p2p_probes``, at any number of virtual stages: the same runs sampled where those tensors
-change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's references pass by pass);
-``p2p_peak`` takes their first peak counting the tensors only at the probes whose bound (``p2p_units_bound``) can
-still win. The combined 1F1B schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
+The estimator takes the interleaved peak of the bytes held plus the schedule's own activation-sized tensors
+(``p2p_tensors_at``) at any number of virtual stages from ``p2p_passes``: the runs over which a pass's chunk stays
+the same and the held counts move evenly (``_runs``), sampled where those tensors change, without visiting all
+m x VPP x 2 passes (tests/test_schedule.py checks the samples against a replay of every pass of
+tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own schedule table;
+tests/test_schedule_p2p.py replays the tensors pass by pass). ``p2p_peak`` takes their first peak counting the
+tensors only at the samples whose bound (``p2p_units_bound``) can still win; for the schedules Megatron runs with
+whole groups of micro-batches, ``_steady_peak`` takes the same pass by steady-state periods. The combined 1F1B
+schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
 """
 from __future__ import annotations
 
@@ -31,11 +32,6 @@ from operator import mul, not_, sub
 # passes of its direction on its chunk). A forward's held counts include its own micro-batch; a
 # backward's include the one it is about to release.
 Probe = tuple[bool, int, tuple[int, ...], int]
-
-# Up to this many virtual stages the probes (a tuple of VPP counts each, about 20 x VPP probes per rank)
-# are kept per rank; beyond it the schedule is walked with the chunks' bytes (O(VPP) memory).
-PROBE_MAX_VPP = 8
-
 
 def _warmup(pp: int, vpp: int, group: int, pp_rank: int, m: int, combined: bool = False) -> int:
     return min((pp - pp_rank - 1) * 2 + (vpp - 1) * group + combined, m * vpp)
@@ -62,15 +58,11 @@ def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
     return [base + size] * d + [base + r] + [base] * (vpp - d - 1)
 
 
-def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
-          combined: bool = False) -> list[tuple[int, int, int, int, int, bool]]:
+def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> list[tuple[int, int, int, int, int]]:
     """The runs of one rank's passes over which a pass's chunk stays the same and the held counts move
-    by a constant step, in schedule order: (section, k0, n, forward chunk, backward chunk, fresh).
+    by a constant step, in schedule order: (section, k0, n, forward chunk, backward chunk).
     Section 0: warm-up forwards of table positions k0 .. k0+n-1; 1: steady pairs k (the forward of
-    position k + warm-up, then the backward of position k; ``combined``: the backward first); 2:
-    cool-down backwards of positions k.
-    ``fresh``: the run does not follow the previous one (the periodic stretch of the steady state was
-    skipped): counts start afresh there.
+    position k + warm-up, then the backward of position k); 2: cool-down backwards of positions k.
 
     The forward table repeats every VPP x G positions within the full groups, and so does the steady
     state: a steady pair a period after another one has the same chunks and held counts, hence the
@@ -80,7 +72,7 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     total = m * vpp
     full = (m // group) * P                 # table positions in full groups (the periodic part)
     q = m - (m // group) * group            # micro-batches of the last, partial group (0: none)
-    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
+    warm = _warmup(pp, vpp, group, pp_rank, m)
     steady = total - warm
     top = vpp - 1
     # chunk of table position x: (x % P) // group in the full groups, (x - full) // q after them;
@@ -97,9 +89,8 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
             k1 = full + ((k - full) // q + 1) * q
         if k1 > warm:
             k1 = warm
-        add((0, k, k1 - k, c, -1, False))
+        add((0, k, k1 - k, c, -1))
         k = k1
-    at = 0                                  # the steady pair the counts are at
     for lo, hi in ((0, min(steady, P)), (max(P, full - warm), steady)):
         k = lo
         while k < hi:
@@ -120,8 +111,8 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                 k1 = kb
             if hi < k1:
                 k1 = hi
-            add((1, k, k1 - k, cf, cb, k != at))
-            k = at = k1
+            add((1, k, k1 - k, cf, cb))
+            k = k1
     k = steady
     while k < total:
         if k < full:
@@ -132,219 +123,15 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
             k1 = full + ((k - full) // q + 1) * q
         if k1 > total:
             k1 = total
-        add((2, k, k1 - k, -1, cb, k == steady and at != steady))
+        add((2, k, k1 - k, -1, cb))
         k = k1
     return out
-
-
-@lru_cache(maxsize=512)
-def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
-                combined: bool = False) -> tuple[tuple[Probe, ...], int]:
-    """The passes of an interleaved schedule (PP > 1, VPP > 1; ``combined``: the combined 1F1B one)
-    where the bytes held can first reach their maximum, in schedule order, and the most micro-batches
-    in flight.
-
-    Whatever bytes b_c a micro-batch keeps on chunk c and whatever transient each chunk's forward or
-    backward adds, the value at a pass is sum_c held_c * b_c + (the pass's transient). Along one of
-    _runs' runs it is linear, so it first reaches its largest at the run's first or last pass: those
-    two are probed. The cost does not grow with m."""
-    probes: list[Probe] = []
-    add = probes.append
-    fc = [0] * vpp                          # forwards done per chunk
-    bc = [0] * vpp                          # backwards done per chunk
-    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
-    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
-        if section == 0:                    # warm-up forwards
-            fc[cf] += 1
-            add((True, cf, tuple(fc), fc[cf]))
-            if n > 1:
-                fc[cf] += n - 1
-                add((True, cf, tuple(fc), fc[cf]))
-            continue
-        if fresh:
-            fc = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
-            bc = _counts(k, vpp, m, group)[::-1]
-        if section == 1 and combined:       # steady steps, the backward before the forward
-            for j in ((k,) if n == 1 else (k, k + n - 1)):
-                if j != k:
-                    fc[cf] += n - 2
-                    bc[cb] += n - 2
-                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-                fc[cf] += 1
-                bc[cb] += 1
-                add((True, cf, tuple(map(sub, fc, bc)), fc[cf]))
-            continue
-        if section == 1:                    # steady pairs: both passes see the same counts
-            fc[cf] += 1
-            h = tuple(map(sub, fc, bc))
-            add((True, cf, h, fc[cf]))
-            add((False, cb, h, bc[cb] + 1))
-            if n > 1:
-                fc[cf] += n - 1
-                bc[cb] += n - 1
-                h = tuple(map(sub, fc, bc))
-                add((True, cf, h, fc[cf]))
-                add((False, cb, h, bc[cb] + 1))
-        else:                               # cool-down backwards
-            add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-            if n > 1:
-                bc[cb] += n - 1
-                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-        bc[cb] += 1
-    return tuple(probes), _in_flight(warm, m * vpp, combined)
 
 
 def _in_flight(warm: int, total: int, combined: bool = False) -> int:
     """Most micro-batches in flight: the warm-up's, plus the steady state's first forward if any (the
     combined schedule releases one before each steady forward)."""
     return warm + 1 if total > warm and not combined else warm
-
-
-def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int],
-               bwd_extra: list[int]) -> tuple[int, Probe]:
-    """The first probe with the largest sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk], and
-    that value: the first pass of the schedule where the bytes held peak."""
-    if len(sizes) == 2:                     # the common case (VPP 2), without the generic dot product
-        s0, s1 = sizes
-        values = [h[0] * s0 + h[1] * s1 + (fwd_extra if fwd else bwd_extra)[c] for fwd, c, h, _ in probes]
-    else:
-        values = [sum(map(mul, h, sizes)) + (fwd_extra if fwd else bwd_extra)[c] for fwd, c, h, _ in probes]
-    best = max(values)
-    if best <= -1:                          # nothing above -1: the first probe (as a scan from -1 finds)
-        return -1, probes[0]
-    return best, probes[values.index(best)]  # index(): the first probe with the largest value
-
-
-def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
-              bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
-    """first_peak(peak_probes(...)) without keeping the probes: the value at each run end follows from
-    the previous one, and the held counts are rebuilt only for the peak (time O(runs), memory O(VPP)).
-    Returns (value, the peak's probe, most in flight)."""
-    top = vpp - 1
-    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
-    best, at = -1, (0, 0, True, 0)          # value; (section, position, forward?, chunk)
-    base = 0                                # sum_c held_c * sizes[c] before the next pass
-
-    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
-        if section == 0:
-            base += sizes[cf]
-            v = base + fwd_extra[cf]
-            if v > best:
-                best, at = v, (0, k, True, cf)
-            if n > 1:
-                base += (n - 1) * sizes[cf]
-                v = base + fwd_extra[cf]
-                if v > best:
-                    best, at = v, (0, k + n - 1, True, cf)
-            continue
-        if fresh:
-            f = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
-            base = sum(map(mul, map(sub, f, _counts(k, vpp, m, group)[::-1]), sizes))
-        if section == 1:
-            step = sizes[cf] - sizes[cb]
-            for j in ((k,) if n == 1 else (k, k + n - 1)):
-                if combined:                # the backward, then the forward
-                    if j != k:
-                        base += (n - 2) * step
-                    v = base + bwd_extra[cb]
-                    if v > best:
-                        best, at = v, (1, j, False, cb)
-                    base += step
-                    v = base + fwd_extra[cf]
-                    if v > best:
-                        best, at = v, (1, j, True, cf)
-                    continue
-                if j == k:
-                    base += sizes[cf]
-                else:
-                    base += (n - 1) * step
-                v = base + fwd_extra[cf]
-                if v > best:
-                    best, at = v, (1, j, True, cf)
-                v = base + bwd_extra[cb]
-                if v > best:
-                    best, at = v, (1, j, False, cb)
-            if combined:
-                continue
-        else:
-            v = base + bwd_extra[cb]
-            if v > best:
-                best, at = v, (2, k, False, cb)
-            if n > 1:
-                base -= (n - 1) * sizes[cb]
-                v = base + bwd_extra[cb]
-                if v > best:
-                    best, at = v, (2, k + n - 1, False, cb)
-        base -= sizes[cb]
-    section, k, fwd, c = at
-    if section == 0:
-        held = _counts(k + 1, vpp, m, group)
-    elif section == 2:
-        held = list(map(sub, [m] * vpp, _counts(k, vpp, m, group)[::-1]))
-    elif combined and not fwd:              # a combined step's backward: before its forward
-        held = list(map(sub, _counts(k + warm, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
-    elif combined:                          # its forward: after its backward
-        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k + 1, vpp, m, group)[::-1]))
-    else:
-        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
-    nth = _counts((k + warm if fwd and section == 1 else k) + 1, vpp, m, group)[c if fwd else top - c]
-    return best, (fwd, c, tuple(held), nth), _in_flight(warm, m * vpp, combined)
-
-
-def uniform_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, size: int, fwd_extra: int,
-                 bwd_extra: int) -> tuple[int, Probe, int] | None:
-    """first_peak(peak_probes(...)) in closed form for a rank whose chunks all keep ``size`` > 0 bytes per
-    micro-batch and have the same transients (the middle ranks of a deep pipeline), in the interleaved
-    (not combined) schedule; None when it does not apply.
-
-    Whatever the table's order, a steady pair (the forward of position k + W, then the backward of
-    position k, W = warm-up) sees W + 1 micro-batches held, the warm-up forwards and the cool-down backwards
-    at most W: with equal bytes per micro-batch the value is largest, and first so, at the first steady
-    pair, its forward or (a larger transient) its backward; without a steady state, at the last warm-up
-    forward or the first cool-down backward, with every micro-batch held."""
-    if size <= 0:
-        return None
-    total = m * vpp
-    warm = _warmup(pp, vpp, group, pp_rank, m)
-    top = fwd_extra if fwd_extra >= bwd_extra else bwd_extra
-    P = vpp * group
-    full = (m // group) * P
-    if total > warm:
-        best = (warm + 1) * size + top
-        held = _counts(warm + 1, vpp, m, group)
-        # the chunk of forward-table position W (as _runs finds it)
-        cf = (warm % P) // group if warm < full else (warm - full) // (m - (m // group) * group)
-        nth = held[cf]
-        in_flight = warm + 1
-    else:
-        best = total * size + top
-        held = [m] * vpp
-        x = total - 1                       # the last warm-up forward's position
-        cf = (x % P) // group if x < full else (x - full) // (m - (m // group) * group)
-        nth = m
-        in_flight = warm
-    if best <= -1:
-        return None
-    if fwd_extra >= bwd_extra:
-        return best, (True, cf, tuple(held), nth), in_flight
-    return best, (False, vpp - 1, tuple(held), 1), in_flight
-
-
-def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
-                  bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
-    """The first peak of one rank's interleaved schedule: (value, its probe, most in flight). Chunks of equal
-    bytes take uniform_peak's closed form; otherwise the probes are kept per rank (a planner's layouts share
-    them) up to PROBE_MAX_VPP virtual stages."""
-    if (not combined and sizes.count(sizes[0]) == vpp and fwd_extra.count(fwd_extra[0]) == vpp
-            and bwd_extra.count(bwd_extra[0]) == vpp):
-        got = uniform_peak(pp, vpp, m, group, pp_rank, sizes[0], fwd_extra[0], bwd_extra[0])
-        if got is not None:
-            return got
-    if vpp <= PROBE_MAX_VPP:
-        probes, in_flight = peak_probes(pp, vpp, m, group, pp_rank, combined)
-        best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)
-        return best, at, in_flight
-    return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra, combined)
 
 
 @lru_cache(maxsize=8192)
@@ -587,7 +374,7 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     def near(k: int, n: int) -> set[int]:
         return {j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}
 
-    for section, k, n, _cf, _cb, _fresh in _runs(pp, vpp, m, group, pp_rank):
+    for section, k, n, _cf, _cb in _runs(pp, vpp, m, group, pp_rank):
         if section == 0:
             # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
             for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
