@@ -514,13 +514,14 @@ def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving:
     In the steady state the held counts of pair j repeat with j mod (VPP x G) (_counts: a period later every chunk
     has G more forwards and G more backwards), so one walk over a period gives each pair's held bytes (a forward adds
     its chunk's, a backward releases its chunk's) and idle chunks; with the other terms of p2p_units_bound at their
-    largest that bounds every pair of the same phase. The phases are taken by that bound, the largest (then the
-    earliest) first; within one, its pairs where the pipeline tensors can differ (the first three periods, the period
-    after the warm-up's last input is released, the last G + PP pairs: every pass p2p_passes samples, and more) are
-    counted (p2p_tensors_at) where their own bound can still win. The first such pass with the most is the first of
-    every pass, hence of the sampled ones (benchmarks/p2p_peak_equivalence.py). A warm-up pass holds at most the
-    bytes of its run's last pass and a cool-down pass those of its run's first (each run: one chunk): their bounds
-    must stay below the peak found (a warm-up pass comes first: equal is not enough)."""
+    largest that bounds every pair of the same phase. The phases p2p_passes samples are taken by that bound, the
+    largest (then the earliest) first; within one, the pairs p2p_passes samples (the phase in the first period, one
+    and two periods later, the first period after the warm-up's last input is released) have their pipeline tensors
+    counted (p2p_tensors_at's terms, in closed form within whole groups) where their own bound can still win: the
+    first sampled pass with the most, as p2p_peak's scan picks (the same candidates: a pass p2p_passes does not sample
+    may tie with it earlier, so no other is taken; benchmarks/p2p_peak_equivalence.py --whole-groups). A warm-up
+    pass holds at most the bytes of its run's last pass and a cool-down pass those of its run's first (each run: one
+    chunk): their bounds must stay below the peak found (a warm-up pass comes first: equal is not enough)."""
     G = group
     n = len(sizes)
     if not (2 <= pp <= G <= m and vpp >= 2 and m % G == 0 and (overlap or pp > 2)
