@@ -2,10 +2,11 @@
 to the interleaved schedule's pipeline-tensor peak must leave every number as it was: this compares the working
 tree's p2p_peak (and p2p_passes, which it reads) with a git revision's on a random grid of schedules.
 
-    python benchmarks/p2p_peak_equivalence.py [--rev main] [--cases 20000] [--seed 1]
+    python benchmarks/p2p_peak_equivalence.py [--rev main] [--cases 20000] [--seed 1] [--whole-groups]
 
 The grid: PP 2-8, VPP 2-24, 1-64 micro-batches, groups of PP..PP+3 micro-batches per virtual stage, any rank,
-overlap_p2p_comm on and off, uneven receiving counts (0-2 per chunk, or a pipeline's: the first stage's first chunk
+overlap_p2p_comm on and off (``--whole-groups``: only schedules Megatron runs whose micro-batches fill whole groups,
+1-8 groups, overlap_p2p_comm off only beyond PP 2, the ones p2p_peak takes by steady-state periods), uneven receiving counts (0-2 per chunk, or a pipeline's: the first stage's first chunk
 none), bytes per chunk all random or mostly alike (a pipeline's chunks), random transients and tensor sizes.
 Exits non-zero at the first case that differs.
 """
@@ -40,13 +41,16 @@ def _reference(rev: str):
     return module
 
 
-def _case(rng: random.Random) -> tuple:
+def _case(rng: random.Random, whole_groups: bool = False) -> tuple:
     pp = rng.randint(2, 8)
     vpp = rng.randint(2, 24)
     m = rng.randint(1, 64)
     group = rng.randint(pp, pp + 3)
     rank = rng.randrange(pp)
     overlap = rng.random() < 0.5
+    if whole_groups:
+        m = group * rng.randint(1, 8)
+        overlap = overlap or pp == 2
     if rng.random() < 0.5:
         receiving = tuple(rng.choice((0, 1, 1, 2)) for _ in range(vpp))
     else:                                   # a pipeline's: every chunk receives but the first stage's first
@@ -67,12 +71,14 @@ def main() -> int:
     parser.add_argument("--rev", default="main", help="git revision to compare with (default main)")
     parser.add_argument("--cases", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--whole-groups", action="store_true",
+                        help="only schedules Megatron runs with whole groups of micro-batches")
     args = parser.parse_args()
     ref = _reference(args.rev)
     rng = random.Random(args.seed)
     spent = {"working tree": 0.0, args.rev: 0.0}
     for n in range(args.cases):
-        pp, vpp, m, group, rank, receiving, overlap, sizes, fwd, bwd, t = case = _case(rng)
+        pp, vpp, m, group, rank, receiving, overlap, sizes, fwd, bwd, t = case = _case(rng, args.whole_groups)
         got = []
         for name, module in (("working tree", schedule), (args.rev, ref)):
             start = time.thread_time()
@@ -82,7 +88,7 @@ def main() -> int:
         if got[0] != got[1]:
             print(f"case {n} differs: (pp, vpp, m, group, rank, receiving, overlap, sizes, fwd, bwd, t) = {case}")
             return 1
-    print(f"{args.cases} cases identical to {args.rev} (p2p_passes and p2p_peak); CPU time, caches warm within the "
+    print(f"{args.cases} cases{' of whole groups' if args.whole_groups else ''} identical to {args.rev} (p2p_passes and p2p_peak); CPU time, caches warm within the "
           f"run: " + ", ".join(f"{k} {v:.2f} s" for k, v in spent.items()))
     return 0
 

@@ -11,14 +11,15 @@ reverse chunk order. With ``--overlap-moe-expert-parallel-comm`` the interleaved
 combined 1F1B one (``get_pp_rank_microbatches``, ``combined_1f1b_schedule_for_interleaved_pipelining``,
 megatron-core 0.16.1 / 0.19.2): one more warm-up forward, and each steady step runs the backward of
 micro-batch k and the forward of k + warm-up together, which in memory order is the backward first.
-``peak_probes`` (``schedule_peak``) are the passes at which the bytes held alone can first peak, whatever each
-chunk's bytes are, without visiting all m x VPP x 2 passes (tests/test_schedule.py checks it against a replay of
-every pass of tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own
-schedule table). The estimator takes the interleaved peak with the schedule's own activation-sized tensors
-(``p2p_tensors_at``) from ``p2p_probes``, at any number of virtual stages: the same runs sampled where those tensors
-change, each probe with their count (tests/test_schedule_p2p.py replays megatron-core's references pass by pass);
-``p2p_peak`` takes their first peak counting the tensors only at the probes whose bound (``p2p_units_bound``) can
-still win. The combined 1F1B schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
+The estimator takes the interleaved peak of the bytes held plus the schedule's own activation-sized tensors
+(``p2p_tensors_at``) at any number of virtual stages from ``p2p_passes``: the runs over which a pass's chunk stays
+the same and the held counts move evenly (``_runs``), sampled where those tensors change, without visiting all
+m x VPP x 2 passes (tests/test_schedule.py checks the samples against a replay of every pass of
+tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own schedule table;
+tests/test_schedule_p2p.py replays the tensors pass by pass). ``p2p_peak`` takes their first peak counting the
+tensors only at the samples whose bound (``p2p_units_bound``) can still win; for the schedules Megatron runs with
+whole groups of micro-batches, ``_steady_peak`` takes the same pass by steady-state periods. The combined 1F1B
+schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
 """
 from __future__ import annotations
 
@@ -31,11 +32,6 @@ from operator import mul, not_, sub
 # passes of its direction on its chunk). A forward's held counts include its own micro-batch; a
 # backward's include the one it is about to release.
 Probe = tuple[bool, int, tuple[int, ...], int]
-
-# Up to this many virtual stages the probes (a tuple of VPP counts each, about 20 x VPP probes per rank)
-# are kept per rank; beyond it the schedule is walked with the chunks' bytes (O(VPP) memory).
-PROBE_MAX_VPP = 8
-
 
 def _warmup(pp: int, vpp: int, group: int, pp_rank: int, m: int, combined: bool = False) -> int:
     return min((pp - pp_rank - 1) * 2 + (vpp - 1) * group + combined, m * vpp)
@@ -62,15 +58,11 @@ def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
     return [base + size] * d + [base + r] + [base] * (vpp - d - 1)
 
 
-def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
-          combined: bool = False) -> list[tuple[int, int, int, int, int, bool]]:
+def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> list[tuple[int, int, int, int, int]]:
     """The runs of one rank's passes over which a pass's chunk stays the same and the held counts move
-    by a constant step, in schedule order: (section, k0, n, forward chunk, backward chunk, fresh).
+    by a constant step, in schedule order: (section, k0, n, forward chunk, backward chunk).
     Section 0: warm-up forwards of table positions k0 .. k0+n-1; 1: steady pairs k (the forward of
-    position k + warm-up, then the backward of position k; ``combined``: the backward first); 2:
-    cool-down backwards of positions k.
-    ``fresh``: the run does not follow the previous one (the periodic stretch of the steady state was
-    skipped): counts start afresh there.
+    position k + warm-up, then the backward of position k); 2: cool-down backwards of positions k.
 
     The forward table repeats every VPP x G positions within the full groups, and so does the steady
     state: a steady pair a period after another one has the same chunks and held counts, hence the
@@ -80,7 +72,7 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     total = m * vpp
     full = (m // group) * P                 # table positions in full groups (the periodic part)
     q = m - (m // group) * group            # micro-batches of the last, partial group (0: none)
-    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
+    warm = _warmup(pp, vpp, group, pp_rank, m)
     steady = total - warm
     top = vpp - 1
     # chunk of table position x: (x % P) // group in the full groups, (x - full) // q after them;
@@ -97,9 +89,8 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
             k1 = full + ((k - full) // q + 1) * q
         if k1 > warm:
             k1 = warm
-        add((0, k, k1 - k, c, -1, False))
+        add((0, k, k1 - k, c, -1))
         k = k1
-    at = 0                                  # the steady pair the counts are at
     for lo, hi in ((0, min(steady, P)), (max(P, full - warm), steady)):
         k = lo
         while k < hi:
@@ -120,8 +111,8 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                 k1 = kb
             if hi < k1:
                 k1 = hi
-            add((1, k, k1 - k, cf, cb, k != at))
-            k = at = k1
+            add((1, k, k1 - k, cf, cb))
+            k = k1
     k = steady
     while k < total:
         if k < full:
@@ -132,219 +123,15 @@ def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int,
             k1 = full + ((k - full) // q + 1) * q
         if k1 > total:
             k1 = total
-        add((2, k, k1 - k, -1, cb, k == steady and at != steady))
+        add((2, k, k1 - k, -1, cb))
         k = k1
     return out
-
-
-@lru_cache(maxsize=512)
-def peak_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
-                combined: bool = False) -> tuple[tuple[Probe, ...], int]:
-    """The passes of an interleaved schedule (PP > 1, VPP > 1; ``combined``: the combined 1F1B one)
-    where the bytes held can first reach their maximum, in schedule order, and the most micro-batches
-    in flight.
-
-    Whatever bytes b_c a micro-batch keeps on chunk c and whatever transient each chunk's forward or
-    backward adds, the value at a pass is sum_c held_c * b_c + (the pass's transient). Along one of
-    _runs' runs it is linear, so it first reaches its largest at the run's first or last pass: those
-    two are probed. The cost does not grow with m."""
-    probes: list[Probe] = []
-    add = probes.append
-    fc = [0] * vpp                          # forwards done per chunk
-    bc = [0] * vpp                          # backwards done per chunk
-    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
-    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
-        if section == 0:                    # warm-up forwards
-            fc[cf] += 1
-            add((True, cf, tuple(fc), fc[cf]))
-            if n > 1:
-                fc[cf] += n - 1
-                add((True, cf, tuple(fc), fc[cf]))
-            continue
-        if fresh:
-            fc = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
-            bc = _counts(k, vpp, m, group)[::-1]
-        if section == 1 and combined:       # steady steps, the backward before the forward
-            for j in ((k,) if n == 1 else (k, k + n - 1)):
-                if j != k:
-                    fc[cf] += n - 2
-                    bc[cb] += n - 2
-                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-                fc[cf] += 1
-                bc[cb] += 1
-                add((True, cf, tuple(map(sub, fc, bc)), fc[cf]))
-            continue
-        if section == 1:                    # steady pairs: both passes see the same counts
-            fc[cf] += 1
-            h = tuple(map(sub, fc, bc))
-            add((True, cf, h, fc[cf]))
-            add((False, cb, h, bc[cb] + 1))
-            if n > 1:
-                fc[cf] += n - 1
-                bc[cb] += n - 1
-                h = tuple(map(sub, fc, bc))
-                add((True, cf, h, fc[cf]))
-                add((False, cb, h, bc[cb] + 1))
-        else:                               # cool-down backwards
-            add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-            if n > 1:
-                bc[cb] += n - 1
-                add((False, cb, tuple(map(sub, fc, bc)), bc[cb] + 1))
-        bc[cb] += 1
-    return tuple(probes), _in_flight(warm, m * vpp, combined)
 
 
 def _in_flight(warm: int, total: int, combined: bool = False) -> int:
     """Most micro-batches in flight: the warm-up's, plus the steady state's first forward if any (the
     combined schedule releases one before each steady forward)."""
     return warm + 1 if total > warm and not combined else warm
-
-
-def first_peak(probes: tuple[Probe, ...], sizes: list[int], fwd_extra: list[int],
-               bwd_extra: list[int]) -> tuple[int, Probe]:
-    """The first probe with the largest sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk], and
-    that value: the first pass of the schedule where the bytes held peak."""
-    if len(sizes) == 2:                     # the common case (VPP 2), without the generic dot product
-        s0, s1 = sizes
-        values = [h[0] * s0 + h[1] * s1 + (fwd_extra if fwd else bwd_extra)[c] for fwd, c, h, _ in probes]
-    else:
-        values = [sum(map(mul, h, sizes)) + (fwd_extra if fwd else bwd_extra)[c] for fwd, c, h, _ in probes]
-    best = max(values)
-    if best <= -1:                          # nothing above -1: the first probe (as a scan from -1 finds)
-        return -1, probes[0]
-    return best, probes[values.index(best)]  # index(): the first probe with the largest value
-
-
-def peak_walk(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
-              bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
-    """first_peak(peak_probes(...)) without keeping the probes: the value at each run end follows from
-    the previous one, and the held counts are rebuilt only for the peak (time O(runs), memory O(VPP)).
-    Returns (value, the peak's probe, most in flight)."""
-    top = vpp - 1
-    warm = _warmup(pp, vpp, group, pp_rank, m, combined)
-    best, at = -1, (0, 0, True, 0)          # value; (section, position, forward?, chunk)
-    base = 0                                # sum_c held_c * sizes[c] before the next pass
-
-    for section, k, n, cf, cb, fresh in _runs(pp, vpp, m, group, pp_rank, combined):
-        if section == 0:
-            base += sizes[cf]
-            v = base + fwd_extra[cf]
-            if v > best:
-                best, at = v, (0, k, True, cf)
-            if n > 1:
-                base += (n - 1) * sizes[cf]
-                v = base + fwd_extra[cf]
-                if v > best:
-                    best, at = v, (0, k + n - 1, True, cf)
-            continue
-        if fresh:
-            f = _counts(k + warm, vpp, m, group) if section == 1 else [m] * vpp
-            base = sum(map(mul, map(sub, f, _counts(k, vpp, m, group)[::-1]), sizes))
-        if section == 1:
-            step = sizes[cf] - sizes[cb]
-            for j in ((k,) if n == 1 else (k, k + n - 1)):
-                if combined:                # the backward, then the forward
-                    if j != k:
-                        base += (n - 2) * step
-                    v = base + bwd_extra[cb]
-                    if v > best:
-                        best, at = v, (1, j, False, cb)
-                    base += step
-                    v = base + fwd_extra[cf]
-                    if v > best:
-                        best, at = v, (1, j, True, cf)
-                    continue
-                if j == k:
-                    base += sizes[cf]
-                else:
-                    base += (n - 1) * step
-                v = base + fwd_extra[cf]
-                if v > best:
-                    best, at = v, (1, j, True, cf)
-                v = base + bwd_extra[cb]
-                if v > best:
-                    best, at = v, (1, j, False, cb)
-            if combined:
-                continue
-        else:
-            v = base + bwd_extra[cb]
-            if v > best:
-                best, at = v, (2, k, False, cb)
-            if n > 1:
-                base -= (n - 1) * sizes[cb]
-                v = base + bwd_extra[cb]
-                if v > best:
-                    best, at = v, (2, k + n - 1, False, cb)
-        base -= sizes[cb]
-    section, k, fwd, c = at
-    if section == 0:
-        held = _counts(k + 1, vpp, m, group)
-    elif section == 2:
-        held = list(map(sub, [m] * vpp, _counts(k, vpp, m, group)[::-1]))
-    elif combined and not fwd:              # a combined step's backward: before its forward
-        held = list(map(sub, _counts(k + warm, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
-    elif combined:                          # its forward: after its backward
-        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k + 1, vpp, m, group)[::-1]))
-    else:
-        held = list(map(sub, _counts(k + warm + 1, vpp, m, group), _counts(k, vpp, m, group)[::-1]))
-    nth = _counts((k + warm if fwd and section == 1 else k) + 1, vpp, m, group)[c if fwd else top - c]
-    return best, (fwd, c, tuple(held), nth), _in_flight(warm, m * vpp, combined)
-
-
-def uniform_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, size: int, fwd_extra: int,
-                 bwd_extra: int) -> tuple[int, Probe, int] | None:
-    """first_peak(peak_probes(...)) in closed form for a rank whose chunks all keep ``size`` > 0 bytes per
-    micro-batch and have the same transients (the middle ranks of a deep pipeline), in the interleaved
-    (not combined) schedule; None when it does not apply.
-
-    Whatever the table's order, a steady pair (the forward of position k + W, then the backward of
-    position k, W = warm-up) sees W + 1 micro-batches held, the warm-up forwards and the cool-down backwards
-    at most W: with equal bytes per micro-batch the value is largest, and first so, at the first steady
-    pair, its forward or (a larger transient) its backward; without a steady state, at the last warm-up
-    forward or the first cool-down backward, with every micro-batch held."""
-    if size <= 0:
-        return None
-    total = m * vpp
-    warm = _warmup(pp, vpp, group, pp_rank, m)
-    top = fwd_extra if fwd_extra >= bwd_extra else bwd_extra
-    P = vpp * group
-    full = (m // group) * P
-    if total > warm:
-        best = (warm + 1) * size + top
-        held = _counts(warm + 1, vpp, m, group)
-        # the chunk of forward-table position W (as _runs finds it)
-        cf = (warm % P) // group if warm < full else (warm - full) // (m - (m // group) * group)
-        nth = held[cf]
-        in_flight = warm + 1
-    else:
-        best = total * size + top
-        held = [m] * vpp
-        x = total - 1                       # the last warm-up forward's position
-        cf = (x % P) // group if x < full else (x - full) // (m - (m // group) * group)
-        nth = m
-        in_flight = warm
-    if best <= -1:
-        return None
-    if fwd_extra >= bwd_extra:
-        return best, (True, cf, tuple(held), nth), in_flight
-    return best, (False, vpp - 1, tuple(held), 1), in_flight
-
-
-def schedule_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, sizes: list[int], fwd_extra: list[int],
-                  bwd_extra: list[int], combined: bool = False) -> tuple[int, Probe, int]:
-    """The first peak of one rank's interleaved schedule: (value, its probe, most in flight). Chunks of equal
-    bytes take uniform_peak's closed form; otherwise the probes are kept per rank (a planner's layouts share
-    them) up to PROBE_MAX_VPP virtual stages."""
-    if (not combined and sizes.count(sizes[0]) == vpp and fwd_extra.count(fwd_extra[0]) == vpp
-            and bwd_extra.count(bwd_extra[0]) == vpp):
-        got = uniform_peak(pp, vpp, m, group, pp_rank, sizes[0], fwd_extra[0], bwd_extra[0])
-        if got is not None:
-            return got
-    if vpp <= PROBE_MAX_VPP:
-        probes, in_flight = peak_probes(pp, vpp, m, group, pp_rank, combined)
-        best, at = first_peak(probes, sizes, fwd_extra, bwd_extra)
-        return best, at, in_flight
-    return peak_walk(pp, vpp, m, group, pp_rank, sizes, fwd_extra, bwd_extra, combined)
 
 
 @lru_cache(maxsize=8192)
@@ -587,7 +374,7 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     def near(k: int, n: int) -> set[int]:
         return {j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}
 
-    for section, k, n, _cf, _cb, _fresh in _runs(pp, vpp, m, group, pp_rank):
+    for section, k, n, _cf, _cb in _runs(pp, vpp, m, group, pp_rank):
         if section == 0:
             # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
             for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
@@ -717,6 +504,216 @@ def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool
     return tuple([(*k[:7], tuple(k[7]), sum(k[2]), k[2].count(0)) for k in keys.values()])
 
 
+def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
+                 sizes: tuple[int, ...], fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...],
+                 t: int) -> tuple[int, int, Probe] | None:
+    """p2p_peak for a schedule Megatron runs whose micro-batches fill whole groups (m a multiple of G, PP <= G, PP > 2
+    or overlap_p2p_comm) and whose bytes are not negative, by periods instead of sampled passes; None when it does not
+    apply or when a warm-up or cool-down pass might reach the steady state's peak (p2p_peak then samples the passes).
+
+    In the steady state the held counts of pair j repeat with j mod (VPP x G) (_counts: a period later every chunk
+    has G more forwards and G more backwards), so one walk over a period gives each pair's held bytes (a forward adds
+    its chunk's, a backward releases its chunk's) and idle chunks; with the other terms of p2p_units_bound at their
+    largest that bounds every pair of the same phase. The phases p2p_passes samples are taken by that bound, the
+    largest (then the earliest) first; within one, the pairs p2p_passes samples (the phase in the first period, one
+    and two periods later, the first period after the warm-up's last input is released) have their pipeline tensors
+    counted (p2p_tensors_at's terms, in closed form within whole groups) where their own bound can still win: the
+    first sampled pass with the most, as p2p_peak's scan picks (the same candidates: a pass p2p_passes does not sample
+    may tie with it earlier, so no other is taken; benchmarks/p2p_peak_equivalence.py --whole-groups). A warm-up
+    pass holds at most the bytes of its run's last pass and a cool-down pass those of its run's first (each run: one
+    chunk): their bounds must stay below the peak found (a warm-up pass comes first: equal is not enough)."""
+    G = group
+    n = len(sizes)
+    if not (2 <= pp <= G <= m and vpp >= 2 and m % G == 0 and (overlap or pp > 2)
+            and n == vpp == len(receiving) == len(fwd_extra) == len(bwd_extra)):
+        return None
+    if min(sizes) < 0 or min(fwd_extra) < 0 or min(bwd_extra) < 0 or min(receiving) < 0:
+        return None
+    P = vpp * G
+    total = m * vpp
+    warm, _, cw, nw, yw = _lingering(pp, vpp, m, G, pp_rank, overlap)
+    steady = total - warm
+    if steady <= 0:
+        return None
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    top = vpp - 1
+    g1 = G + 1
+    r = max(receiving)
+    rl = 2 * receiving[cw] if cw >= 0 else 0
+    # the largest a x r + l x rl + c of p2p_units_bound over the steady pairs, forward and backward passes
+    cap_f = ((g1 if first else 0) + 1) * r + rl + (g1 if last else 1)
+    cap_b = ((g1 if first else 1 if overlap else 0) + 1) * r + rl + (g1 + 1 if last else 1)
+
+    # the steady pairs p2p_passes samples (whole groups: _runs' steady runs are those of the first period, split
+    # where the forward's or the backward's chunk changes), by phase
+    span = P if steady > P else steady
+    ys = yw if cw >= 0 else -1              # (p2p_passes' lingering_backward)
+    edge = (0, 1, G - 1)
+    cuts = sorted({0, span, *range(0, span, G), *range((G - warm) % G, span, G)})
+    base = {j for j in (ys, ys + 1, ys + 2) if 0 <= j < span}
+    base.update(range(steady - G - pp if steady > G + pp else 0, span))
+    for k, e in zip(cuts, cuts[1:]):
+        base.update((k, e - 1))
+        if e - k > 2:
+            base.update((k + 1, e - 2))
+    if first or last:
+        base.update([j for j in range(span) if (j + warm) % G in edge or (j + warm - pp + 1) % G in edge])
+
+    # one period of pairs: pair u holds _counts(u + warm + 1) less the backwards' reversed _counts(u)
+    held = _counts(warm + 1, vpp, m, G)
+    h = sum(map(mul, held, sizes))
+    idle = sum([x for c, x in zip(held, receiving) if not c])
+    phases = []
+    add = phases.append
+    cf = (warm % P) // G
+    # (the warm-up's last pass holds pair 0's micro-batches but its forward's, a cool-down pass at most the last pair's)
+    h_warm = h - sizes[cf]
+    u_last = (steady - 1) % P
+    h_cool = h
+    for u in range(span):
+        cb = top - u // G
+        if u == u_last:
+            h_cool = h
+        if u in base:
+            add((-(h + fwd_extra[cf] + t * (2 * idle + cap_f)), 2 * u, u, True, cf, h, idle))
+            add((-(h + bwd_extra[cb] + t * (2 * idle + cap_b)), 2 * u + 1, u, False, cb, h, idle))
+        # the pair's backward releases a micro-batch of its chunk, the next pair's forward adds one of its chunk
+        held[cb] -= 1
+        h -= sizes[cb]
+        if not held[cb]:
+            idle += receiving[cb]
+        cf = ((u + 1 + warm) % P) // G
+        if not held[cf]:
+            idle -= receiving[cf]
+        held[cf] += 1
+        h += sizes[cf]
+    phases.sort()
+
+    best, at, retained, probe = -1, -1, 0, None
+    for bound, o, u, fwd, c, h, idle in phases:
+        if -bound < best or (-bound == best and o + warm > at):
+            break
+        # its pairs sampled: a period and two later, the first period after the warm-up's last input is released
+        js = [u, u + P, u + 2 * P]
+        if u <= ys + 1:
+            j = ((ys + 1 - u) // P + 1) * P + u
+            if j not in js:
+                js.append(j)
+                js.sort()
+        v0 = h + (fwd_extra[c] if fwd else bwd_extra[c]) + t * 2 * idle
+        for k in js:
+            if k >= steady:
+                break
+            order = warm + 2 * k + (not fwd)
+            # p2p_passes' a, l and c of the pass (p2p_units_bound)
+            q = 1 if not fwd and overlap and k < steady - 1 else 0
+            if first:
+                a = warm + k + q - pp + 1
+                a = 0 if a < 0 else g1 if a > g1 else a
+            else:
+                a = q
+            if k >= 1:
+                a += 1
+            if last:
+                cc = k - pp + 1
+                cc = 0 if cc < 0 else g1 if cc > g1 else cc
+            else:
+                cc = 1 if fwd else 0
+            if not fwd:
+                cc += 1
+            b = v0 + t * (a * r + (rl if cw >= 0 and yw < k else 0) + cc)
+            if b < best or (b == best and order > at):
+                continue
+            # p2p_tensors_at of the pass, its steady terms beside the idle pairs. Within whole groups a receive after
+            # step s brings position s - PP + 1 + G (its next chunk's, the same ordinal) on the first stage, likewise
+            # the last stage's output gradients (_received_for, _grad_received_for), none for the last chunk's
+            x = warm + k                    # the pair's forward position
+            units = 2 * idle
+            if first:                       # inputs received ahead (up to G + 1 steps back)
+                steps = x + q
+                for s in range(steps - g1 if steps > g1 else 0, steps if steps < total - 1 else total - 1):
+                    z = s - pp + 1
+                    if z >= 0 and z + G > x:
+                        cz = (z % P) // G
+                        if cz != top:
+                            units += receiving[cz + 1]
+            elif q:                         # the next forward's input, received after this backward
+                units += receiving[((x + 1) % P) // G]
+            # the warm-up's last input, past its release (once only if it is also its idle chunk's block input);
+            # chunk c's held count after x + 1 forwards and k backwards: _counts(x + 1)[c] - _counts(k)[top - c]
+            linger = False
+            if cw >= 0 and yw < k and receiving[cw]:
+                o = (x + 1) % P - cw * G
+                after_w = ((x + 1) // P) * G + (0 if o < 0 else G if o > G else o)
+                o = k % P - (top - cw) * G
+                linger = not (after_w == nw and after_w == (k // P) * G + (0 if o < 0 else G if o > G else o))
+                if linger:
+                    units += rl
+            if k >= 1:                      # the previous backward's input gradient
+                tc = ((k - 1) % P) // G
+                pc = top - tc
+                o = (x + 1) % P - pc * G
+                o2 = k % P - tc * G
+                if (((x + 1) // P) * G + (0 if o < 0 else G if o > G else o) != (k // P) * G
+                        + (0 if o2 < 0 else G if o2 > G else o2)) and not (linger and k - 1 == yw):
+                    units += receiving[pc]
+            if last:                        # output gradients received ahead
+                done = k if fwd else k + 1
+                for s in range(k - g1 if k > g1 else 0, k if k < total - 1 else total - 1):
+                    z = s - pp + 1
+                    if z >= 0 and z + G >= done and (z % P) // G != top:
+                        units += 1
+                if not fwd and (x % P) // G != top:
+                    units += 1              # the pair's forward output
+            else:
+                units += 1                  # the pair's output gradient received (forward) or forward output (backward)
+            units *= t
+            v = v0 - t * 2 * idle + units
+            if v > best or (v == best and order < at):
+                best, at, retained, probe = v, order, units, (k, fwd)
+
+    # the warm-up's runs (one chunk each; the idle chunks the same after its first pass): its last pass's held bytes,
+    # the first stage's queued inputs at their largest
+    held = [0] * vpp
+    h, idle = 0, sum(receiving)
+    q = g1 * r if first else 0
+    x = 0 if h_warm + max(fwd_extra) + t * (2 * idle + q) >= best else warm   # (all of them below: none to walk)
+    while x < warm:
+        c = (x % P) // G
+        x1 = (x // G + 1) * G
+        if x1 > warm:
+            x1 = warm
+        if not held[c]:
+            idle -= receiving[c]
+        held[c] += x1 - x
+        h += (x1 - x) * sizes[c]
+        if h + fwd_extra[c] + t * (2 * idle + q) >= best:
+            return None
+        x = x1
+    # the cool-down's runs: its first pass's held bytes, the other terms at their largest
+    q = r + rl + (g1 if last else 0)
+    if h_cool + max(bwd_extra) + t * (2 * sum(receiving) + q) <= best:
+        return best, retained, steady_pass(pp, vpp, m, G, pp_rank, probe[0], probe[1])
+    before = _counts(steady, vpp, m, G)
+    held = [m - d for d in reversed(before)]
+    h = sum(map(mul, held, sizes))
+    idle = sum([x for c, x in zip(held, receiving) if not c])
+    y = steady
+    while y < total:
+        cb = top - (y % P) // G
+        y1 = (y // G + 1) * G
+        if y1 > total:
+            y1 = total
+        if h + bwd_extra[cb] + t * (2 * idle + q) > best:
+            return None
+        held[cb] -= y1 - y
+        h -= (y1 - y) * sizes[cb]
+        if not held[cb]:
+            idle += receiving[cb]
+        y = y1
+    return best, retained, steady_pass(pp, vpp, m, G, pp_rank, probe[0], probe[1])
+
+
 def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
              sizes: tuple[int, ...], fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...],
              t: int) -> tuple[int, int, Probe] | None:
@@ -730,6 +727,9 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     first, until it can no longer beat the best found; within them, only the passes whose own bound can."""
     if t <= 0:
         return None
+    got = _steady_peak(pp, vpp, m, group, pp_rank, receiving, overlap, sizes, fwd_extra, bwd_extra, t)
+    if got is not None:
+        return got
     passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
     cw = _lingering(pp, vpp, m, group, pp_rank, overlap)[2]
     r = max(receiving, default=0)

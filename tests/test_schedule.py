@@ -1,9 +1,11 @@
-"""The estimator's fast schedule path (schedule.peak_probes + first_peak) against a full replay.
+"""The interleaved schedule's passes as schedule.py walks them (p2p_passes' samples, _runs / _counts / _warmup beneath
+them; p2p_every_pass for the combined 1F1B schedule) against a full replay.
 
 The reference (tests/schedule_reference.py) rebuilds megatron-core's interleaved schedule from its rules
 (checked against megatron-core's own schedule table in tests/test_ep_overlap.py) and replays every pass
-with the bytes of each chunk. The fast path must find the same first peak: value, pass, chunk, held counts,
-micro-batch ordinal and most in flight, for any bytes (zeros and ties included).
+with the bytes of each chunk. Each sampled pass must be the replay's pass at its place (direction, chunk, held counts,
+micro-batch ordinal), and the samples must hold the replay's first peak of the held bytes: value, pass, chunk, held
+counts, micro-batch ordinal, and most in flight, for any bytes (zeros and ties included).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megatron_memguard.schedule import first_peak, peak_probes, peak_walk, schedule_peak, uniform_peak
+from megatron_memguard.schedule import _warmup, p2p_every_pass, p2p_passes, peak_in_flight
 from schedule_reference import megatron_passes
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -22,12 +24,13 @@ PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples
 
 
 def replay(passes, sizes, fwd_extra, top_extra, bottom_extra):
-    """Every pass in order; the first strict maximum. A backward's value is the larger of its start
-    (top_extra) and its end (bottom_extra, with its own micro-batch released)."""
+    """Every pass in order; the first strict maximum, each pass's probe and the most in flight. A backward's value is
+    the larger of its start (top_extra) and its end (bottom_extra, with its own micro-batch released)."""
     held = [0] * len(sizes)
     done = {}                       # (direction, chunk) -> passes so far
     best = None
     in_flight = 0
+    probes = []
     for fwd, c, _mb in passes:
         done[fwd, c] = done.get((fwd, c), 0) + 1
         if fwd:
@@ -39,25 +42,42 @@ def replay(passes, sizes, fwd_extra, top_extra, bottom_extra):
             base = sum(h * s for h, s in zip(held, sizes))
             top, bottom = base + top_extra[c], base + bottom_extra[c] - sizes[c]
             v, kind = (top, "B") if top >= bottom else (bottom, "Bend")
+        probes.append((fwd, c, tuple(held), done[fwd, c]))
         if best is None or v > best[0]:
             best = (v, kind, c, tuple(held), done[fwd, c])
         if not fwd:
             held[c] -= 1
-    return best, in_flight
+    return best, in_flight, probes
 
 
-def fast(pp, vpp, m, group, rank, sizes, fwd_extra, top_extra, bottom_extra, combined=False):
-    """Both fast paths (the probes kept per rank, the walk for many virtual stages) and the estimator's
-    choice between them must agree; returns their common answer."""
+def ordinal(pp, vpp, m, group, rank, section, k, fwd):
+    """The place of p2p_passes' (section, k) pass in the schedule: a warm-up forward of table position k, the forward
+    then the backward of steady pair k, a cool-down backward of position k."""
+    warm = _warmup(pp, vpp, group, rank, m)
+    if section == 0:
+        return k
+    if section == 1:
+        return warm + 2 * k + (not fwd)
+    return warm + 2 * (m * vpp - warm) + (k - (m * vpp - warm))
+
+
+def sampled_peak(pp, vpp, m, group, rank, sizes, fwd_extra, top_extra, bottom_extra, overlap, probes):
+    """The first of p2p_passes' samples with the most held bytes plus transient (the estimator's held part, its
+    backward value the larger of start and end), each sample checked against the replay's pass at its place."""
     bottom = [b - s for b, s in zip(bottom_extra, sizes)]
     bwd = [max(t, b) for t, b in zip(top_extra, bottom)]
-    probes, in_flight = peak_probes(pp, vpp, m, group, rank, combined)
-    v, at = first_peak(probes, sizes, fwd_extra, bwd)
-    assert peak_walk(pp, vpp, m, group, rank, sizes, fwd_extra, bwd, combined) == (v, at, in_flight)
-    assert schedule_peak(pp, vpp, m, group, rank, sizes, fwd_extra, bwd, combined) == (v, at, in_flight)
+    best = at = None
+    order = -1
+    for p, section, k, *_ in p2p_passes(pp, vpp, m, group, rank, overlap):
+        x = ordinal(pp, vpp, m, group, rank, section, k, p[0])
+        assert x > order and probes[x] == p, (pp, vpp, m, group, rank, overlap, section, k, p)
+        order = x
+        v = sum(h * s for h, s in zip(p[2], sizes)) + (fwd_extra if p[0] else bwd)[p[1]]
+        if best is None or v > best:
+            best, at = v, p
     fwd, c, held, nth = at
     kind = "F" if fwd else ("B" if top_extra[c] >= bottom[c] else "Bend")
-    return (v, kind, c, held, nth), in_flight
+    return best, kind, c, held, nth
 
 
 def bytes_for(rng: random.Random, vpp: int, zeros: bool) -> tuple[list[int], ...]:
@@ -70,14 +90,20 @@ def bytes_for(rng: random.Random, vpp: int, zeros: bool) -> tuple[list[int], ...
 
 
 def check(pp, vpp, m, group, rank, b, combined=False):
-    ref = replay(megatron_passes(pp, vpp, m, group, rank, combined), *b)
-    got = fast(pp, vpp, m, group, rank, *b, combined=combined)
-    assert got == ref, (pp, vpp, m, group, rank, b, combined)
+    ref, in_flight, probes = replay(megatron_passes(pp, vpp, m, group, rank, combined), *b)
+    assert peak_in_flight(pp, vpp, m, group, rank, combined) == in_flight, (pp, vpp, m, group, rank, combined)
+    if combined:                    # the combined schedule is walked pass by pass (p2p_every_pass)
+        recv = (1,) * vpp
+        assert [p for p, _ in p2p_every_pass(pp, vpp, m, group, rank, recv, True, True)] == probes
+        return
+    for overlap in (True, False):
+        got = sampled_peak(pp, vpp, m, group, rank, *b, overlap, probes)
+        assert got == ref, (pp, vpp, m, group, rank, b, overlap)
 
 
 def test_grid_every_rank_small_schedules():
     """Every rank of every schedule with PP 2-5, VPP 2-4, m 1-13, G 1-6 (m < PP, m not a multiple of
-    G or of PP, G < PP, which Megatron refuses but the probes must still get right), three byte draws."""
+    G or of PP, G < PP, which Megatron refuses but the samples must still get right), three byte draws."""
     rng = random.Random(16)
     for pp, vpp, m, group in itertools.product(range(2, 6), range(2, 5), range(1, 14), range(1, 7)):
         for rank in range(pp):
@@ -88,7 +114,7 @@ def test_grid_every_rank_small_schedules():
 @PROPERTY
 @given(pp=st.integers(2, 16), vpp=st.integers(2, 12), m=st.integers(1, 96), group=st.integers(1, 24),
        rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans(), combined=st.booleans())
-def test_probes_match_replay(pp, vpp, m, group, rank_frac, seed, zeros, combined):
+def test_samples_match_replay(pp, vpp, m, group, rank_frac, seed, zeros, combined):
     rank = min(pp - 1, int(rank_frac * pp))
     check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros), combined)
 
@@ -98,7 +124,7 @@ def test_probes_match_replay(pp, vpp, m, group, rank_frac, seed, zeros, combined
        more=st.integers(0, 16), rank_frac=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), zeros=st.booleans(),
        combined=st.booleans())
 def test_long_schedules_megatron_accepts(pp, vpp, groups, extra, more, rank_frac, seed, zeros, combined):
-    """Up to 40 groups (the periodic stretch the probes skip is long), for the schedules Megatron accepts:
+    """Up to 40 groups (the periodic stretch the samples skip is long), for the schedules Megatron accepts:
     PP <= G <= m and a last group of 0 or >= PP micro-batches (resolve/pipeline.py)."""
     group = pp + more
     m = groups * group + (pp + extra % (group - pp + 1) if extra and group > pp else 0)
@@ -108,11 +134,9 @@ def test_long_schedules_megatron_accepts(pp, vpp, groups, extra, more, rank_frac
     check(pp, vpp, m, group, rank, bytes_for(random.Random(seed), vpp, zeros), combined)
 
 
-def test_many_virtual_stages_walk_the_schedule():
-    """Beyond PROBE_MAX_VPP schedule_peak walks the schedule for the held bytes alone (a probe holds VPP counts:
-    memory would grow as VPP squared; the estimator's count with the pipeline tensors is p2p_peak's, checked beyond
-    8 virtual stages in tests/test_schedule_p2p.py). 200 virtual stages (400 layers at PP 2, one per virtual
-    stage)."""
+def test_many_virtual_stages():
+    """200 virtual stages (400 layers at PP 2, one per virtual stage): the samples and the combined schedule's walk
+    are still the replay's."""
     rng = random.Random(200)
     for m, group in ((2, 2), (4, 2), (5, 2), (6, 3)):
         for rank in range(2):
@@ -120,11 +144,24 @@ def test_many_virtual_stages_walk_the_schedule():
                 check(2, 200, m, group, rank, bytes_for(rng, 200, False), combined)
 
 
-def test_probe_count_does_not_grow_with_microbatches():
-    """The point of the probes: DeepSeek-V3's PP16 VPP2 schedule costs the same for 64 or 8,192
-    micro-batches (the steady state repeats every VPP x G passes)."""
+def test_sample_count_does_not_grow_with_microbatches():
+    """The point of the samples: DeepSeek-V3's PP16 VPP2 schedule costs the same for 128 or 8,192
+    micro-batches (the steady state repeats every VPP x G passes; 164 samples on the first rank, whose warm-up and
+    cool-down are taken whole: 2 x 46 passes)."""
     for rank in range(16):
-        assert len(peak_probes(16, 2, 8192, 16, rank)[0]) == len(peak_probes(16, 2, 64, 16, rank)[0]) <= 32
+        for overlap in (True, False):
+            n = len(p2p_passes(16, 2, 128, 16, rank, overlap))
+            assert len(p2p_passes(16, 2, 8192, 16, rank, overlap)) == n <= 164
+
+
+def first_held_peak(pp, vpp, m, group, rank, sizes):
+    """The first of p2p_passes' samples with the most held bytes (no transients): (value, probe)."""
+    best = at = None
+    for p, *_ in p2p_passes(pp, vpp, m, group, rank, True):
+        v = sum(h * s for h, s in zip(p[2], sizes))
+        if best is None or v > best:
+            best, at = v, p
+    return best, at
 
 
 def test_deepseek_v3_schedule_by_hand():
@@ -135,11 +172,13 @@ def test_deepseek_v3_schedule_by_hand():
     chunk 0 first holds 32 micro-batches at the forward of its 32nd micro-batch; chunk-0 backwards start
     at k = 16, from when it never holds more. With 1 byte per chunk-0 micro-batch, 0 on chunk 1, no
     transients: peak 32 there."""
-    probes, in_flight = peak_probes(16, 2, 128, 16, 0)
-    assert in_flight == 46 + 1
-    v, (fwd, c, held, nth) = first_peak(probes, [1, 0], [0, 0], [0, 0])
+    assert peak_in_flight(16, 2, 128, 16, 0) == 46 + 1
+    v, (fwd, c, held, nth) = first_held_peak(16, 2, 128, 16, 0, [1, 0])
     assert (v, fwd, c, held[0], nth) == (32, True, 0, 32, 32)
     assert held[0] + held[1] == 47
+    # the middle ranks: rank 7's warm-up is 2 x 8 + 16 = 32 forwards (positions 0-31: 16 on chunk 0, 16 on chunk 1),
+    # the first steady forward is position 32 (chunk 0, its 17th micro-batch): 17 + 16 = 33 held, 1 byte each
+    assert first_held_peak(16, 2, 128, 16, 7, [1, 1]) == (33, (True, 0, (17, 16), 17))
 
 
 def test_peak_in_the_last_partial_group_names_its_micro_batch():
@@ -158,19 +197,10 @@ def test_peak_in_the_last_partial_group_names_its_micro_batch():
     assert stage.peak_phase == "forward of micro-batch 22, chunk 1 (5 held)"
 
 
-def test_uniform_chunks_closed_form():
-    """Ranks whose chunks keep equal bytes (the middle of a deep pipeline) take schedule.uniform_peak's closed
-    form: the first steady pair holds warm-up + 1 micro-batches, more than any other pass (or, with no steady
-    state, every micro-batch at the last warm-up forward / first cool-down backward). Against the replay for
-    every rank of PP 2-6, VPP 2-4, m 1-19, G 1-7, with the forward or the backward transient larger, or equal."""
+def test_uniform_chunks():
+    """Ranks whose chunks keep equal bytes (the middle of a deep pipeline): against the replay for every rank of PP
+    2-6, VPP 2-4, m 1-19, G 1-7, with the forward or the backward transient larger, or equal."""
     for pp, vpp, m, group in itertools.product(range(2, 7), range(2, 5), range(1, 20), range(1, 8)):
         for rank in range(pp):
             for size, f, top, bottom in ((1, 0, 0, 0), (2, 3, 1, 0), (3, 1, 4, 2), (1, 0, 0, 9), (5, 2, 2, 7)):
-                b = ([size] * vpp, [f] * vpp, [top] * vpp, [bottom] * vpp)
-                bwd = max(top, bottom - size)
-                assert uniform_peak(pp, vpp, m, group, rank, size, f, bwd) is not None
-                check(pp, vpp, m, group, rank, b)
-    # DeepSeek-V3's middle ranks by hand: rank 7 of PP16 VPP2, G 16, 128 micro-batches, 1 byte each: the
-    # warm-up is 2 x 8 + 16 = 32 forwards (positions 0-31: 16 on chunk 0, 16 on chunk 1), the first steady
-    # forward is position 32 (chunk 0, its 17th micro-batch): 17 + 16 = 33 held
-    assert uniform_peak(16, 2, 128, 16, 7, 1, 0, 0) == (33, (True, 0, (17, 16), 17), 33)
+                check(pp, vpp, m, group, rank, ([size] * vpp, [f] * vpp, [top] * vpp, [bottom] * vpp))
