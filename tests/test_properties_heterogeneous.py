@@ -2,7 +2,8 @@
 estimator/layers/noop.py, linear_block.py), drawn where megatron-core builds them: a config whose blocks are all the
 flags' own layer is the homogeneous model (byte for byte), and every pipeline stage's parameters per TP rank are the
 hand count of its blocks (megatron-core 0.19.2 heterogeneous_layer_specs.py, linear_replacements.py; the same modules
-in 0.16.1), summing to the model's total.
+in 0.16.1), summing to the model's total; a larger micro-batch or sequence never lowers a stage's peak, the
+distributed optimizer's shards partition each stage's state, and an MTP depth is the flags' own layer.
 
 Derandomized; MEMGUARD_PROPERTY_EXAMPLES sets the count (default 200, these use a quarter: each example writes a
 config file and resolves and estimates one or two layouts).
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, reject, settings, strategies as st
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.params import total_parameters
+from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.resolve.heterogeneous import ffn_mult_to_size
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -213,3 +215,62 @@ def test_identity_blocks_on_top_of_each_stage_change_nothing(job, data):
     for sa, sb in zip(ea.stages, eb.stages, strict=True):
         assert [(t.name, t.bytes) for t in sb.terms] == [(t.name, t.bytes) for t in sa.terms]
         assert sb.peak_allocated_bytes == sa.peak_allocated_bytes
+
+
+def _set(flags: list[str], flag: str, value) -> list[str]:
+    i = flags.index(flag) + 1
+    return flags[:i] + [str(value)] + flags[i + 1:]
+
+
+@QUARTER
+@given(het_jobs(uniform=False), st.sampled_from(["mbs", "seq"]))
+def test_a_larger_micro_batch_or_sequence_never_lowers_a_heterogeneous_stage_peak(job, what):
+    """Whatever a block keeps (a full, linear or no-op half; an MLP of its own width) is [s, b, ...]: one more
+    sequence per micro-batch (the number of micro-batches kept) or twice the sequence lowers no stage's peak. And
+    under the distributed optimizer each stage's fp32 shards add up to its parameters, none over its slice of the
+    padded buffer (distrib_optimizer.py _build_model_gbuf_range)."""
+    flags, doc, world, version = job
+    L = _with_config(flags, doc, world, version)
+    if what == "mbs":
+        mbs = L.micro_batch_size
+        bigger = _set(_set(flags, "--micro-batch-size", mbs + 1), "--global-batch-size",
+                      L.global_batch_size // mbs * (mbs + 1))
+    else:
+        bigger = _set(_set(flags, "--seq-length", 2 * L.seq_length), "--max-position-embeddings", 2 * L.seq_length)
+    for a, b in zip(estimate(L).stages, estimate(_with_config(bigger, doc, world, version)).stages):
+        assert b.peak_allocated_bytes >= a.peak_allocated_bytes, (a.pp_rank, a.peak_phase, b.peak_phase)
+    if L.use_distributed_optimizer:
+        n = L.dp_shard_size
+        for p in range(L.pp):
+            st_ = stage_states(L, p)
+            shards = [stage_states(L, p, r).exp_avg_bytes // 4 for r in range(n)]
+            assert sum(shards) == st_.parameters and max(shards) <= st_.buffer_numel // n, p
+
+
+@QUARTER
+@given(het_jobs(uniform=False), st.integers(1, 2))
+def test_mtp_depths_of_a_heterogeneous_model_are_the_flags_own_layer(job, depth):
+    """megatron/training's mtp_block_spec (models/gpt.py, 0.19.2; memguard refuses the 0.16 to 0.18 builders' MTP with
+    a heterogeneous config by name, their spec not being in the wheels) takes the last of
+    get_gpt_decoder_layer_specs, the spec of the model's flags, not the heterogeneous block spec, and
+    MultiTokenPredictionLayer builds it with the model's config: each MTP depth is the flags' own layer (attention of
+    --num-query-groups, a SwiGLU MLP of --ffn-hidden-size) whatever the last block is, plus enorm, hnorm and
+    final_layernorm h each and eh_proj [h / TP, 2 h]; on the last stage, which with PP > 1 also builds its own word
+    embedding [V / TP, h] (gpt_model.py: pre_process or mtp_process). No other stage changes. By hand."""
+    flags, doc, world, _ = job
+    version = "0.19"
+    if "full" in flags:
+        # MultiTokenPredictionLayer._checkpointed_forward asserts recompute_num_layers == 1 under full recompute
+        i = flags.index("--recompute-method")
+        flags = flags[:i] + ["--recompute-method", "uniform", "--recompute-num-layers", "1"] + flags[i + 4:]
+    plain = _with_config(flags, doc, world, version)
+    L = _with_config(flags + ["--mtp-num-layers", str(depth)], doc, world, version)
+    tp, pp, h, heads = L.tp, L.pp, doc["hidden_size"], doc["num_attention_heads"]
+    groups = int(flags[flags.index("--num-query-groups") + 1])
+    own = {"attention": {"n_heads_in_group": heads // groups, "no_op": False, "replace_with_linear": False},
+           "ffn": {"ffn_hidden_size": int(flags[flags.index("--ffn-hidden-size") + 1]), "no_op": False,
+                   "replace_with_linear": False}}
+    added = depth * (3 * h + 2 * h * h // tp + _block_params(own, h, heads, tp))
+    added += L.padded_vocab_size // tp * h if pp > 1 else 0
+    got = [stage_states(L, p).parameters - stage_states(plain, p).parameters for p in range(pp)]
+    assert got == [0] * (pp - 1) + [added]

@@ -1,7 +1,8 @@
 """Properties of hybrid Mamba models (--hybrid-layer-pattern: resolve/hybrid.py, estimator/layers/mamba.py), drawn
 where megatron-core 0.19.2 builds them (tests/property_space_newest.py hybrid_specs): the parameters of every
-pipeline stage counted by hand from megatron-core's modules, the '|' segments as the stages, the directions a
-Megatron user expects, and the pattern of only attention + MLP pairs against the plain GPT model.
+pipeline stage counted by hand from megatron-core's modules, the '|' segments as the stages, the MTP depths of the
+'/' parts (tests/property_space_newest.py hybrid_mtp_specs), the directions a Megatron user expects, and the pattern
+of only attention + MLP pairs against the plain GPT model.
 
 Derandomized; MEMGUARD_PROPERTY_EXAMPLES sets the count (default 200, these use a quarter: each example
 resolves and estimates a few layouts).
@@ -17,7 +18,7 @@ from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.estimator.states import stage_states
 
-from property_space_newest import HybridSpec, hybrid_specs
+from property_space_newest import HybridSpec, hybrid_specs, hybrid_mtp_specs
 from test_properties_features import layout   # the Layout, or the refusal checked and the example dropped
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -85,6 +86,60 @@ def test_hybrid_parameters_stage_by_stage_are_megatron_cores(hs):
     # a routed expert is counted once in the total: EP ranks split them (layer_params(t=1) counted E / EP)
     total += hs.pattern.count("E") * (hs.experts - hs.experts // hs.ep) * 2 * hs.moe_ffn * h
     assert total_parameters(L) == total
+
+
+def _mtp_depth(hs: HybridSpec, t: int) -> int:
+    """One MTP depth on one TP rank of t, by hand (multi_token_prediction.py, 0.17.1 to 0.19.2): enorm, hnorm and
+    final_layernorm (replicated), eh_proj [h / t, 2 h] (column-parallel, no bias), and a HybridStack of the depth's
+    pattern without a final norm (each layer as layer_params counts it)."""
+    norm = hs.hidden * (1 if hs.rmsnorm else 2)
+    return 3 * norm + 2 * hs.hidden * hs.hidden // t + sum(layer_params(hs, sym, t) for sym in hs.mtp)
+
+
+@QUARTER
+@given(hybrid_mtp_specs())
+def test_hybrid_mtp_depths_stage_by_stage_are_megatron_cores(hs):
+    """The '/' parts of the pattern build one MTP depth each (one for all with --mtp-use-repeated-layer) on the last
+    pipeline stage (HybridModel's mtp_process: mtp_on_this_rank without a layout, the last virtual stage too), which
+    also builds its own word embedding [V / TP, h] when PP > 1 (``pre_process or mtp_process``, hybrid_model.py
+    0.19.2); every other stage keeps test_hybrid_parameters_stage_by_stage_are_megatron_cores' count, and the model's
+    total gains the depths' layers whole (a routed expert of an 'E' depth once)."""
+    L = layout(hs)
+    h, t = hs.hidden, hs.tp
+    V = L.padded_vocab_size
+    norm = h * (1 if hs.rmsnorm else 2)
+    built = 1 if hs.mtp_repeated else hs.mtp_depths
+    for r, segs in enumerate(stage_segments(hs)):
+        want = sum(layer_params(hs, sym, t) for seg in segs for sym in seg)
+        if r == 0:
+            want += V * h // t
+        if r == hs.pp - 1:
+            want += norm + (V * h // t if hs.untied or hs.pp > 1 else 0)
+            want += built * _mtp_depth(hs, t) + (V * h // t if hs.pp > 1 else 0)
+        assert stage_states(L, r).parameters == want, (r, segs)
+    experts_elsewhere = (hs.experts - hs.experts // hs.ep) * 2 * hs.moe_ffn * h
+    total = sum(layer_params(hs, sym, 1) for sym in hs.pattern if sym != "|") + norm + V * h * (2 if hs.untied else 1)
+    total += (hs.pattern.count("E") + built * hs.mtp.count("E")) * experts_elsewhere
+    assert total_parameters(L) == total + built * _mtp_depth(hs, 1)
+
+
+@QUARTER
+@given(hybrid_mtp_specs(), st.sampled_from(["mbs", "seq"]))
+def test_a_larger_micro_batch_or_sequence_never_lowers_a_hybrid_mtp_stage_peak(hs, what):
+    """test_a_larger_micro_batch_or_sequence_never_lowers_a_hybrid_stage_peak with the MTP depths on the last stage:
+    each depth's stack, eh_proj's input and its loss grow with the tokens of a micro-batch. And the distributed
+    optimizer's shards of a stage without routed experts add up to its parameters, none over its slice of the
+    padded buffer (distrib_optimizer.py _build_model_gbuf_range; the MTP block's buffer included)."""
+    bigger = hs.with_(mbs=hs.mbs + 1) if what == "mbs" else hs.with_(seq=2 * hs.seq)
+    for a, b in zip(_peaks(hs), _peaks(bigger)):
+        assert b >= a
+    if not hs.experts:
+        D = layout(hs.with_(dist_opt=True))
+        n = D.dp_shard_size
+        for p in range(D.pp):
+            st_ = stage_states(D, p)
+            shards = [stage_states(D, p, r).exp_avg_bytes // 4 for r in range(n)]
+            assert sum(shards) == st_.parameters and max(shards) <= st_.buffer_numel // n, p
 
 
 @st.composite
