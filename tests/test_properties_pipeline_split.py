@@ -29,9 +29,10 @@ from megatron_memguard.estimator.layers.base import shapes
 from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.estimator.states import stage_states
 
-from property_space import Spec, specs
+from property_space import FeatureSpec, Spec, moe_specs, specs
 from property_spelling import _numbers
 from test_properties import _dp_terms, _model_count
+from test_properties_features import _moe_counts, layout as feature_layout
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 QUARTER = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
@@ -78,12 +79,8 @@ def _layout_stages(draw, pp: int, v: int, mtp: int) -> tuple[list[str], int]:
     return stages, sum(counts)
 
 
-@st.composite
-def split_jobs(draw, interleaved: bool = False) -> Split:
-    """``interleaved``: 2-3 virtual stages a rank (else 1-3)."""
-    spec = draw(specs(max_layers=12))
-    pp, v = draw(st.integers(2, 6)), draw(st.sampled_from([2, 3] if interleaved else [1, 1, 2, 3]))
-    mtp = draw(st.sampled_from([0, 0, 1, 2]))
+def _split(draw, pp: int, v: int, mtp: int) -> tuple[int, list[str], list[str] | None]:
+    """(decoder layers, split flags, the layout string's stages or None) of one of the three splits."""
     kind = draw(st.sampled_from(["layout", "account", "uneven"]))
     flags: list[str] = []
     stages = None
@@ -113,6 +110,16 @@ def split_jobs(draw, interleaved: bool = False) -> Split:
             ["--decoder-last-pipeline-num-layers", str(last)] if last is not None else [])
     if v > 1 and kind != "layout":
         flags += ["--num-virtual-stages-per-pipeline-rank", str(v)]
+    return layers, flags, stages
+
+
+@st.composite
+def split_jobs(draw, interleaved: bool = False) -> Split:
+    """``interleaved``: 2-3 virtual stages a rank (else 1-3)."""
+    spec = draw(specs(max_layers=12))
+    pp, v = draw(st.integers(2, 6)), draw(st.sampled_from([2, 3] if interleaved else [1, 1, 2, 3]))
+    mtp = draw(st.sampled_from([0, 0, 1, 2]))
+    layers, flags, stages = _split(draw, pp, v, mtp)
     rec = spec.recompute
     if rec[:1] == ("full",):
         rec = ("full", rec[1], min(rec[2], layers))
@@ -182,6 +189,40 @@ def test_parameters_of_any_split_add_up_to_the_hand_count(job):
             assert sum(x.count("t") for x in mine) == sum(c.num_layers for c in L.chunks if c.pp_rank == p)
             if not any(mine):
                 assert stage_states(L, p).parameters == 0, (p, mine)
+
+
+@st.composite
+def moe_split_jobs(draw) -> tuple[FeatureSpec, tuple, str]:
+    """A job of tests/property_space.py's moe_specs re-split over PP 2-4 (the world still divides into ETP x EP x PP:
+    moe_specs draws DP for TP x CP x DP to hold ETP x EP), its --moe-layer-freq rewritten for the new layer count."""
+    fs = draw(moe_specs())
+    pp, v = draw(st.integers(2, 4)), draw(st.sampled_from([1, 1, 2]))
+    layers, flags, _ = _split(draw, pp, v, 0)
+    b = fs.base
+    rec = b.recompute
+    if rec[:1] == ("full",):
+        rec = ("full", rec[1], min(rec[2], layers))
+    freq = fs.freq
+    if freq is not None and not freq.isdigit():
+        freq = f"([0]*1+[1]*{layers - 1})" if layers > 1 else None
+    fs = fs.with_(freq=freq).with_base(pp=pp, layers=layers, vpp=None, first=None, last=None, recompute=rec,
+                                       microbatches=pp * draw(st.integers(1, 2)) if v > 1 else b.microbatches)
+    return fs, tuple(flags), draw(st.sampled_from(["0.16", "0.19"]))
+
+
+@QUARTER
+@given(moe_split_jobs())
+def test_moe_parameters_of_any_split_add_up_to_the_hand_count(job):
+    """test_properties_features' MoE hand count over TP x EP x ETP x PP, whatever the split: one TP x EP x ETP rank of
+    every stage together holds the same parameters however the layers, dense or MoE, are placed (layout strings with
+    empty stages, embedding / loss slots, uneven first / last stages, interleaved or not), and the model's total is
+    the same count with TP = EP = ETP = 1."""
+    fs, split, era = job
+    written = fs.with_(extra=fs.extra + split)
+    L = feature_layout(written, era)
+    per_rank, total, _ = _moe_counts(fs, L)
+    assert total_parameters(L) == total
+    assert sum(stage_states(L, p).parameters for p in range(L.pp)) == per_rank
 
 
 def test_an_mtp_block_on_the_first_rank_and_an_empty_rank_by_hand():
