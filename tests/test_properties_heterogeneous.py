@@ -274,3 +274,29 @@ def test_mtp_depths_of_a_heterogeneous_model_are_the_flags_own_layer(job, depth)
     added += L.padded_vocab_size // tp * h if pp > 1 else 0
     got = [stage_states(L, p).parameters - stage_states(plain, p).parameters for p in range(pp)]
     assert got == [0] * (pp - 1) + [added]
+
+
+def test_an_mtp_depth_over_a_linear_and_no_op_last_block_by_hand():
+    """The property above's rule by hand: h 64, 4 heads of 16, 2 query groups, --ffn-hidden-size 256 (SwiGLU,
+    RMSNorm, no biases), two blocks, the last one a linear attention and a no-op MLP. The MTP depth is the flags'
+    own layer, not that block: input norm 64 + linear_qkv (4 + 2 x 2) x 16 x 64 = 8,192 + linear_proj 64 x 64 = 4,096
+    + pre-MLP norm 64 + fc1 2 x 256 x 64 = 32,768 + fc2 64 x 256 = 16,384 = 61,568; with enorm, hnorm and
+    final_layernorm 3 x 64 and eh_proj 64 x 128 = 8,192: 69,952 more on the one stage (PP 1: no embedding copy)."""
+    flags = ["--transformer-impl", "transformer_engine", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size",
+             "256", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--use-rope-scaling",
+             "--use-rotary-position-embeddings", "--rotary-base", "500000", "--untie-embeddings-and-output-weights",
+             "--disable-bias-linear", "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size",
+             "1", "--global-batch-size", "1", "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+    attention = {"n_heads_in_group": 2, "no_op": False, "replace_with_linear": False}
+    blocks = [{"attention": attention, "ffn": {"ffn_hidden_size": 128, "no_op": False, "replace_with_linear": False}},
+              {"attention": {"n_heads_in_group": None, "no_op": False, "replace_with_linear": True},
+               "ffn": {"ffn_hidden_size": None, "no_op": True, "replace_with_linear": False}}]
+    doc = {"hidden_act": "silu", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "tie_word_embeddings": False, "rope_theta": 500000, "rope_scaling": {"factor": 8.0}, "block_configs": blocks}
+    plain = _with_config(flags, doc, 1, "0.19")
+    L = _with_config(flags + ["--mtp-num-layers", "1"], doc, 1, "0.19")
+    layer = 64 + 8 * 16 * 64 + 64 * 64 + 64 + 2 * 256 * 64 + 64 * 256
+    assert layer == 61_568
+    assert stage_states(L, 0).parameters - stage_states(plain, 0).parameters == 3 * 64 + 64 * 128 + layer == 69_952

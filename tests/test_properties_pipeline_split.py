@@ -341,3 +341,19 @@ def test_micro_batch_group_size_sets_the_interleaved_warmup(job, extra_m, data):
     default = Split(s, job.split + ("--microbatch-group-size-per-virtual-pipeline-stage", str(pp)), job.stages,
                     job.mtp, job.era)
     assert _numbers(estimate(default.layout())) == _numbers(estimate(L))
+
+
+def test_micro_batch_groups_of_four_over_two_ranks_by_hand():
+    """PP 2 x VPP 2, 8 micro-batches (the property above's rule by hand): with Megatron's default groups of PP = 2 the
+    first rank warms up (2 - 0 - 1) x 2 + (2 - 1) x 2 = 4 forwards and runs a fifth before its first backward, the last
+    rank 0 + 2 = 2 and a third; with --microbatch-group-size-per-virtual-pipeline-stage 4, (2 - 1) x 4 replaces
+    (2 - 1) x 2: 6 + 1 = 7 and 4 + 1 = 5 (schedules.py get_pp_rank_microbatches, 0.16.1 / 0.19.2). A larger group
+    keeps more micro-batches' activations in flight, so each rank's peak rises."""
+    spec = Spec(layers=4, pp=2, vpp=2, microbatches=8, heads=4, kv_channels=16, hidden=64, ffn=128, seq=64)
+    for era in ("0.16", "0.19"):
+        default = estimate(layout_from_flags(spec.flags(), world_size=2, megatron_version=era))
+        four = estimate(layout_from_flags(spec.flags() + ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+                                          world_size=2, megatron_version=era))
+        assert [s.in_flight for s in default.stages] == [5, 3]
+        assert [s.in_flight for s in four.stages] == [7, 5]
+        assert all(b.peak_allocated_bytes > a.peak_allocated_bytes for a, b in zip(default.stages, four.stages))
