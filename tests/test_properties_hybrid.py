@@ -18,7 +18,8 @@ from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.estimator.states import stage_states
 
-from property_space_newest import HybridSpec, hybrid_specs, hybrid_mtp_specs
+from property_space_newest import HybridSpec, hybrid_mtp_specs, hybrid_specs
+from property_spelling import _numbers
 from test_properties_features import layout   # the Layout, or the refusal checked and the example dropped
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -261,3 +262,40 @@ def test_a_pattern_cut_evenly_by_bars_is_the_pattern_without_them(hs):
     a, b = estimate(layout(hs)), estimate(layout(cut))
     for sa, sb in zip(a.stages, b.stages):
         assert sa.breakdown == sb.breakdown
+
+
+@st.composite
+def uneven_hybrid_jobs(draw) -> tuple[HybridSpec, int | None, int | None, tuple[str, ...]]:
+    """A hybrid job (with or without '/' MTP depths) whose pattern has no '|', split over PP 2-4 by
+    --decoder-first/last-pipeline-num-layers (1-4 layers each, the middle ranks even), and the same split as '|'
+    segments. Full recompute of one layer per checkpoint (a chunk of one layer takes no more)."""
+    hs = draw(st.one_of(hybrid_specs(symbols="M*-E"), hybrid_mtp_specs()))
+    pp = draw(st.integers(2, 4))
+    first = draw(st.integers(1, 4)) if draw(st.booleans()) else None
+    last = draw(st.integers(1, 4)) if (first is None or draw(st.booleans())) else None
+    middle = pp - (first is not None) - (last is not None)
+    per = draw(st.integers(1, 3)) if middle else 0
+    counts = ([first] if first is not None else []) + [per] * middle + ([last] if last is not None else [])
+    pattern = draw(st.text(alphabet="M*-" + ("E" if hs.experts else ""), min_size=sum(counts), max_size=sum(counts)))
+    cut = tuple(pattern[sum(counts[:i]):sum(counts[:i + 1])] for i in range(pp))
+    rec = ("full", hs.recompute[1], 1) if hs.recompute else ()
+    return hs.with_(segments=(pattern,), pp=pp, recompute=rec), first, last, cut
+
+
+@QUARTER
+@given(uneven_hybrid_jobs())
+def test_uneven_first_last_stages_of_a_hybrid_pattern_are_its_bar_segments(job):
+    """A pattern without '|' over PP ranks takes --decoder-first/last-pipeline-num-layers as the first / last rank's
+    layers, the rest even over the middle ranks (select_pipeline_segment's uneven branch, hybrid_layer_allocation.py
+    0.19.2; validate_args passes them as num_layers_in_first/last_pipeline_stage): the same split written as '|'
+    segments estimates alike on every stage, term by term, MTP depths included."""
+    hs, first, last, cut = job
+    flags = hs.flags() + (["--decoder-first-pipeline-num-layers", str(first)] if first is not None else []) + (
+        ["--decoder-last-pipeline-num-layers", str(last)] if last is not None else [])
+    try:
+        a = layout_from_flags(flags, world_size=hs.world, megatron_version="0.19")
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+    b = layout(hs.with_(segments=cut))
+    assert [s.num_layers for s in estimate(a).stages] == [len(seg) for seg in cut]
+    assert _numbers(estimate(a)) == _numbers(estimate(b))
