@@ -300,3 +300,33 @@ def test_an_mtp_depth_over_a_linear_and_no_op_last_block_by_hand():
     layer = 64 + 8 * 16 * 64 + 64 * 64 + 64 + 2 * 256 * 64 + 64 * 256
     assert layer == 61_568
     assert stage_states(L, 0).parameters - stage_states(plain, 0).parameters == 3 * 64 + 64 * 128 + layer == 69_952
+
+
+@QUARTER
+@given(het_jobs(uniform=False), st.data())
+def test_a_layout_strings_stages_hold_their_blocks(job, data):
+    """--pipeline-model-parallel-layout placing the blocks unevenly (0 to all of them on a rank: empty ranks too)
+    puts block i on the stage of the i-th 't' (PipelineParallelLayerLayout, core 0.16.1 / 0.19.2; the heterogeneous
+    spec builds each layer from its own block config, get_config_for_layer): each stage's parameters per TP rank are
+    its blocks by hand, the first adding the embedding [V / TP, h], the last the output layer [V / TP, h] and the
+    final norm h (the loss's stage)."""
+    flags, doc, world, version = job
+    pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1])
+    if pp == 1:
+        reject()
+    blocks = doc["block_configs"]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(blocks)), min_size=pp - 1, max_size=pp - 1)))
+    bounds = [0, *cuts, len(blocks)]
+    stages = [("E" if p == 0 else "") + "t" * (bounds[p + 1] - bounds[p]) + ("L" if p == pp - 1 else "")
+              for p in range(pp)]
+    if "full" in flags:
+        # (a chunk of one block or none: one layer per checkpoint)
+        i = flags.index("--recompute-method")
+        flags = flags[:i] + ["--recompute-method", "uniform", "--recompute-num-layers", "1"] + flags[i + 4:]
+    L = _with_config(flags + ["--pipeline-model-parallel-layout", "|".join(stages)], doc, world, version)
+    tp, h, heads = L.tp, doc["hidden_size"], doc["num_attention_heads"]
+    emb = L.padded_vocab_size // tp * h
+    for p in range(pp):
+        want = sum(_block_params(b, h, heads, tp) for b in blocks[bounds[p]:bounds[p + 1]])
+        want += (emb if p == 0 else 0) + (emb + h if p == pp - 1 else 0)
+        assert stage_states(L, p).parameters == want, (p, stages)
