@@ -40,9 +40,13 @@ class HybridSpec:
     ep: int = 1
     moe_ffn: int = 64
     squared_relu: bool = False
+    mtp: str = ""                            # one MTP depth's pattern (after '/': core 0.17+), or none
+    mtp_depths: int = 0                      # the '/' parts, each ``mtp``
+    mtp_repeated: bool = False               # --mtp-use-repeated-layer: one depth's layers run at every depth
 
     @property
     def pattern(self) -> str:
+        """The main pattern (without the MTP parts)."""
         return "|".join(self.segments)
 
     @property
@@ -59,7 +63,8 @@ class HybridSpec:
 
     def flags(self) -> list[str]:
         # (written with '=': a pattern starting with '-' is otherwise an option to argparse)
-        f = ["--hybrid-layer-pattern=" + self.pattern, "--hidden-size", str(self.hidden),
+        mtp = "".join("/" + self.mtp for _ in range(self.mtp_depths))
+        f = ["--hybrid-layer-pattern=" + self.pattern + mtp, "--hidden-size", str(self.hidden),
              "--num-attention-heads", str(self.heads), "--kv-channels", str(self.kv),
              "--ffn-hidden-size", str(self.ffn), "--seq-length", str(self.seq),
              "--max-position-embeddings", str(self.seq), "--micro-batch-size", str(self.mbs),
@@ -91,6 +96,8 @@ class HybridSpec:
             f += ["--num-experts", str(self.experts), "--moe-router-topk", "2", "--moe-ffn-hidden-size",
                   str(self.moe_ffn), "--expert-model-parallel-size", str(self.ep), "--moe-token-dispatcher-type",
                   "alltoall", "--moe-grouped-gemm"]
+        if self.mtp_repeated:
+            f.append("--mtp-use-repeated-layer")
         return f
 
     def with_(self, **kw) -> "HybridSpec":
@@ -145,3 +152,17 @@ def hybrid_specs(draw, symbols: str = "M*-", max_segment: int = 4) -> HybridSpec
         vocab=draw(st.sampled_from([1000, 32000])), precision=draw(st.sampled_from(["bf16", "bf16", "fp16"])),
         dist_opt=draw(st.booleans()), recompute=rec, experts=experts, ep=ep, moe_ffn=tp * 16 * draw(st.integers(1, 4)),
         squared_relu=draw(st.booleans()))
+
+
+@st.composite
+def hybrid_mtp_specs(draw) -> HybridSpec:
+    """hybrid_specs with multi-token prediction as '/' parts of the pattern (megatron-core 0.17+ parse_hybrid_pattern:
+    1-3 depths of one identical pattern of Mamba, attention, MLP and, in an MoE model, MoE layers; no '|' in them),
+    sometimes with --mtp-use-repeated-layer. Under full uniform recompute one layer per checkpoint
+    (MultiTokenPredictionLayer._checkpointed_forward asserts recompute_num_layers == 1)."""
+    hs = draw(hybrid_specs(symbols="M*-E"))
+    rec = hs.recompute
+    if rec and rec[1] == "uniform":
+        rec = ("full", "uniform", 1)
+    return hs.with_(mtp=draw(st.text(alphabet="M*-" + ("E" if hs.experts else ""), min_size=1, max_size=3)),
+                    mtp_depths=draw(st.integers(1, 3)), mtp_repeated=draw(st.booleans()), recompute=rec)

@@ -2,7 +2,8 @@
 estimator/layers/noop.py, linear_block.py), drawn where megatron-core builds them: a config whose blocks are all the
 flags' own layer is the homogeneous model (byte for byte), and every pipeline stage's parameters per TP rank are the
 hand count of its blocks (megatron-core 0.19.2 heterogeneous_layer_specs.py, linear_replacements.py; the same modules
-in 0.16.1), summing to the model's total.
+in 0.16.1), summing to the model's total; a larger micro-batch or sequence never lowers a stage's peak, the
+distributed optimizer's shards partition each stage's state, and an MTP depth is the flags' own layer.
 
 Derandomized; MEMGUARD_PROPERTY_EXAMPLES sets the count (default 200, these use a quarter: each example writes a
 config file and resolves and estimates one or two layouts).
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, reject, settings, strategies as st
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.params import total_parameters
+from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.resolve.heterogeneous import ffn_mult_to_size
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -213,3 +215,118 @@ def test_identity_blocks_on_top_of_each_stage_change_nothing(job, data):
     for sa, sb in zip(ea.stages, eb.stages, strict=True):
         assert [(t.name, t.bytes) for t in sb.terms] == [(t.name, t.bytes) for t in sa.terms]
         assert sb.peak_allocated_bytes == sa.peak_allocated_bytes
+
+
+def _set(flags: list[str], flag: str, value) -> list[str]:
+    i = flags.index(flag) + 1
+    return flags[:i] + [str(value)] + flags[i + 1:]
+
+
+@QUARTER
+@given(het_jobs(uniform=False), st.sampled_from(["mbs", "seq"]))
+def test_a_larger_micro_batch_or_sequence_never_lowers_a_heterogeneous_stage_peak(job, what):
+    """Whatever a block keeps (a full, linear or no-op half; an MLP of its own width) is [s, b, ...]: one more
+    sequence per micro-batch (the number of micro-batches kept) or twice the sequence lowers no stage's peak. And
+    under the distributed optimizer each stage's fp32 shards add up to its parameters, none over its slice of the
+    padded buffer (distrib_optimizer.py _build_model_gbuf_range)."""
+    flags, doc, world, version = job
+    L = _with_config(flags, doc, world, version)
+    if what == "mbs":
+        mbs = L.micro_batch_size
+        bigger = _set(_set(flags, "--micro-batch-size", mbs + 1), "--global-batch-size",
+                      L.global_batch_size // mbs * (mbs + 1))
+    else:
+        bigger = _set(_set(flags, "--seq-length", 2 * L.seq_length), "--max-position-embeddings", 2 * L.seq_length)
+    for a, b in zip(estimate(L).stages, estimate(_with_config(bigger, doc, world, version)).stages):
+        assert b.peak_allocated_bytes >= a.peak_allocated_bytes, (a.pp_rank, a.peak_phase, b.peak_phase)
+    if L.use_distributed_optimizer:
+        n = L.dp_shard_size
+        for p in range(L.pp):
+            st_ = stage_states(L, p)
+            shards = [stage_states(L, p, r).exp_avg_bytes // 4 for r in range(n)]
+            assert sum(shards) == st_.parameters and max(shards) <= st_.buffer_numel // n, p
+
+
+@QUARTER
+@given(het_jobs(uniform=False), st.integers(1, 2))
+def test_mtp_depths_of_a_heterogeneous_model_are_the_flags_own_layer(job, depth):
+    """megatron/training's mtp_block_spec (models/gpt.py, 0.19.2; memguard refuses the 0.16 to 0.18 builders' MTP with
+    a heterogeneous config by name, their spec not being in the wheels) takes the last of
+    get_gpt_decoder_layer_specs, the spec of the model's flags, not the heterogeneous block spec, and
+    MultiTokenPredictionLayer builds it with the model's config: each MTP depth is the flags' own layer (attention of
+    --num-query-groups, a SwiGLU MLP of --ffn-hidden-size) whatever the last block is, plus enorm, hnorm and
+    final_layernorm h each and eh_proj [h / TP, 2 h]; on the last stage, which with PP > 1 also builds its own word
+    embedding [V / TP, h] (gpt_model.py: pre_process or mtp_process). No other stage changes. By hand."""
+    flags, doc, world, _ = job
+    version = "0.19"
+    if "full" in flags:
+        # MultiTokenPredictionLayer._checkpointed_forward asserts recompute_num_layers == 1 under full recompute
+        i = flags.index("--recompute-method")
+        flags = flags[:i] + ["--recompute-method", "uniform", "--recompute-num-layers", "1"] + flags[i + 4:]
+    plain = _with_config(flags, doc, world, version)
+    L = _with_config(flags + ["--mtp-num-layers", str(depth)], doc, world, version)
+    tp, pp, h, heads = L.tp, L.pp, doc["hidden_size"], doc["num_attention_heads"]
+    groups = int(flags[flags.index("--num-query-groups") + 1])
+    own = {"attention": {"n_heads_in_group": heads // groups, "no_op": False, "replace_with_linear": False},
+           "ffn": {"ffn_hidden_size": int(flags[flags.index("--ffn-hidden-size") + 1]), "no_op": False,
+                   "replace_with_linear": False}}
+    added = depth * (3 * h + 2 * h * h // tp + _block_params(own, h, heads, tp))
+    added += L.padded_vocab_size // tp * h if pp > 1 else 0
+    got = [stage_states(L, p).parameters - stage_states(plain, p).parameters for p in range(pp)]
+    assert got == [0] * (pp - 1) + [added]
+
+
+def test_an_mtp_depth_over_a_linear_and_no_op_last_block_by_hand():
+    """The property above's rule by hand: h 64, 4 heads of 16, 2 query groups, --ffn-hidden-size 256 (SwiGLU,
+    RMSNorm, no biases), two blocks, the last one a linear attention and a no-op MLP. The MTP depth is the flags'
+    own layer, not that block: input norm 64 + linear_qkv (4 + 2 x 2) x 16 x 64 = 8,192 + linear_proj 64 x 64 = 4,096
+    + pre-MLP norm 64 + fc1 2 x 256 x 64 = 32,768 + fc2 64 x 256 = 16,384 = 61,568; with enorm, hnorm and
+    final_layernorm 3 x 64 and eh_proj 64 x 128 = 8,192: 69,952 more on the one stage (PP 1: no embedding copy)."""
+    flags = ["--transformer-impl", "transformer_engine", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size",
+             "256", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--use-rope-scaling",
+             "--use-rotary-position-embeddings", "--rotary-base", "500000", "--untie-embeddings-and-output-weights",
+             "--disable-bias-linear", "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size",
+             "1", "--global-batch-size", "1", "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+    attention = {"n_heads_in_group": 2, "no_op": False, "replace_with_linear": False}
+    blocks = [{"attention": attention, "ffn": {"ffn_hidden_size": 128, "no_op": False, "replace_with_linear": False}},
+              {"attention": {"n_heads_in_group": None, "no_op": False, "replace_with_linear": True},
+               "ffn": {"ffn_hidden_size": None, "no_op": True, "replace_with_linear": False}}]
+    doc = {"hidden_act": "silu", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "tie_word_embeddings": False, "rope_theta": 500000, "rope_scaling": {"factor": 8.0}, "block_configs": blocks}
+    plain = _with_config(flags, doc, 1, "0.19")
+    L = _with_config(flags + ["--mtp-num-layers", "1"], doc, 1, "0.19")
+    layer = 64 + 8 * 16 * 64 + 64 * 64 + 64 + 2 * 256 * 64 + 64 * 256
+    assert layer == 61_568
+    assert stage_states(L, 0).parameters - stage_states(plain, 0).parameters == 3 * 64 + 64 * 128 + layer == 69_952
+
+
+@QUARTER
+@given(het_jobs(uniform=False), st.data())
+def test_a_layout_strings_stages_hold_their_blocks(job, data):
+    """--pipeline-model-parallel-layout placing the blocks unevenly (0 to all of them on a rank: empty ranks too)
+    puts block i on the stage of the i-th 't' (PipelineParallelLayerLayout, core 0.16.1 / 0.19.2; the heterogeneous
+    spec builds each layer from its own block config, get_config_for_layer): each stage's parameters per TP rank are
+    its blocks by hand, the first adding the embedding [V / TP, h], the last the output layer [V / TP, h] and the
+    final norm h (the loss's stage)."""
+    flags, doc, world, version = job
+    pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1])
+    if pp == 1:
+        reject()
+    blocks = doc["block_configs"]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(blocks)), min_size=pp - 1, max_size=pp - 1)))
+    bounds = [0, *cuts, len(blocks)]
+    stages = [("E" if p == 0 else "") + "t" * (bounds[p + 1] - bounds[p]) + ("L" if p == pp - 1 else "")
+              for p in range(pp)]
+    if "full" in flags:
+        # (a chunk of one block or none: one layer per checkpoint)
+        i = flags.index("--recompute-method")
+        flags = flags[:i] + ["--recompute-method", "uniform", "--recompute-num-layers", "1"] + flags[i + 4:]
+    L = _with_config(flags + ["--pipeline-model-parallel-layout", "|".join(stages)], doc, world, version)
+    tp, h, heads = L.tp, doc["hidden_size"], doc["num_attention_heads"]
+    emb = L.padded_vocab_size // tp * h
+    for p in range(pp):
+        want = sum(_block_params(b, h, heads, tp) for b in blocks[bounds[p]:bounds[p + 1]])
+        want += (emb if p == 0 else 0) + (emb + h if p == pp - 1 else 0)
+        assert stage_states(L, p).parameters == want, (p, stages)

@@ -1,7 +1,8 @@
 """Properties of hybrid Mamba models (--hybrid-layer-pattern: resolve/hybrid.py, estimator/layers/mamba.py), drawn
 where megatron-core 0.19.2 builds them (tests/property_space_newest.py hybrid_specs): the parameters of every
-pipeline stage counted by hand from megatron-core's modules, the '|' segments as the stages, the directions a
-Megatron user expects, and the pattern of only attention + MLP pairs against the plain GPT model.
+pipeline stage counted by hand from megatron-core's modules, the '|' segments as the stages, the MTP depths of the
+'/' parts (tests/property_space_newest.py hybrid_mtp_specs), the directions a Megatron user expects, and the pattern
+of only attention + MLP pairs against the plain GPT model.
 
 Derandomized; MEMGUARD_PROPERTY_EXAMPLES sets the count (default 200, these use a quarter: each example
 resolves and estimates a few layouts).
@@ -17,7 +18,8 @@ from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.estimator.states import stage_states
 
-from property_space_newest import HybridSpec, hybrid_specs
+from property_space_newest import HybridSpec, hybrid_mtp_specs, hybrid_specs
+from property_spelling import _numbers
 from test_properties_features import layout   # the Layout, or the refusal checked and the example dropped
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
@@ -85,6 +87,60 @@ def test_hybrid_parameters_stage_by_stage_are_megatron_cores(hs):
     # a routed expert is counted once in the total: EP ranks split them (layer_params(t=1) counted E / EP)
     total += hs.pattern.count("E") * (hs.experts - hs.experts // hs.ep) * 2 * hs.moe_ffn * h
     assert total_parameters(L) == total
+
+
+def _mtp_depth(hs: HybridSpec, t: int) -> int:
+    """One MTP depth on one TP rank of t, by hand (multi_token_prediction.py, 0.17.1 to 0.19.2): enorm, hnorm and
+    final_layernorm (replicated), eh_proj [h / t, 2 h] (column-parallel, no bias), and a HybridStack of the depth's
+    pattern without a final norm (each layer as layer_params counts it)."""
+    norm = hs.hidden * (1 if hs.rmsnorm else 2)
+    return 3 * norm + 2 * hs.hidden * hs.hidden // t + sum(layer_params(hs, sym, t) for sym in hs.mtp)
+
+
+@QUARTER
+@given(hybrid_mtp_specs())
+def test_hybrid_mtp_depths_stage_by_stage_are_megatron_cores(hs):
+    """The '/' parts of the pattern build one MTP depth each (one for all with --mtp-use-repeated-layer) on the last
+    pipeline stage (HybridModel's mtp_process: mtp_on_this_rank without a layout, the last virtual stage too), which
+    also builds its own word embedding [V / TP, h] when PP > 1 (``pre_process or mtp_process``, hybrid_model.py
+    0.19.2); every other stage keeps test_hybrid_parameters_stage_by_stage_are_megatron_cores' count, and the model's
+    total gains the depths' layers whole (a routed expert of an 'E' depth once)."""
+    L = layout(hs)
+    h, t = hs.hidden, hs.tp
+    V = L.padded_vocab_size
+    norm = h * (1 if hs.rmsnorm else 2)
+    built = 1 if hs.mtp_repeated else hs.mtp_depths
+    for r, segs in enumerate(stage_segments(hs)):
+        want = sum(layer_params(hs, sym, t) for seg in segs for sym in seg)
+        if r == 0:
+            want += V * h // t
+        if r == hs.pp - 1:
+            want += norm + (V * h // t if hs.untied or hs.pp > 1 else 0)
+            want += built * _mtp_depth(hs, t) + (V * h // t if hs.pp > 1 else 0)
+        assert stage_states(L, r).parameters == want, (r, segs)
+    experts_elsewhere = (hs.experts - hs.experts // hs.ep) * 2 * hs.moe_ffn * h
+    total = sum(layer_params(hs, sym, 1) for sym in hs.pattern if sym != "|") + norm + V * h * (2 if hs.untied else 1)
+    total += (hs.pattern.count("E") + built * hs.mtp.count("E")) * experts_elsewhere
+    assert total_parameters(L) == total + built * _mtp_depth(hs, 1)
+
+
+@QUARTER
+@given(hybrid_mtp_specs(), st.sampled_from(["mbs", "seq"]))
+def test_a_larger_micro_batch_or_sequence_never_lowers_a_hybrid_mtp_stage_peak(hs, what):
+    """test_a_larger_micro_batch_or_sequence_never_lowers_a_hybrid_stage_peak with the MTP depths on the last stage:
+    each depth's stack, eh_proj's input and its loss grow with the tokens of a micro-batch. And the distributed
+    optimizer's shards of a stage without routed experts add up to its parameters, none over its slice of the
+    padded buffer (distrib_optimizer.py _build_model_gbuf_range; the MTP block's buffer included)."""
+    bigger = hs.with_(mbs=hs.mbs + 1) if what == "mbs" else hs.with_(seq=2 * hs.seq)
+    for a, b in zip(_peaks(hs), _peaks(bigger)):
+        assert b >= a
+    if not hs.experts:
+        D = layout(hs.with_(dist_opt=True))
+        n = D.dp_shard_size
+        for p in range(D.pp):
+            st_ = stage_states(D, p)
+            shards = [stage_states(D, p, r).exp_avg_bytes // 4 for r in range(n)]
+            assert sum(shards) == st_.parameters and max(shards) <= st_.buffer_numel // n, p
 
 
 @st.composite
@@ -206,3 +262,40 @@ def test_a_pattern_cut_evenly_by_bars_is_the_pattern_without_them(hs):
     a, b = estimate(layout(hs)), estimate(layout(cut))
     for sa, sb in zip(a.stages, b.stages):
         assert sa.breakdown == sb.breakdown
+
+
+@st.composite
+def uneven_hybrid_jobs(draw) -> tuple[HybridSpec, int | None, int | None, tuple[str, ...]]:
+    """A hybrid job (with or without '/' MTP depths) whose pattern has no '|', split over PP 2-4 by
+    --decoder-first/last-pipeline-num-layers (1-4 layers each, the middle ranks even), and the same split as '|'
+    segments. Full recompute of one layer per checkpoint (a chunk of one layer takes no more)."""
+    hs = draw(st.one_of(hybrid_specs(symbols="M*-E"), hybrid_mtp_specs()))
+    pp = draw(st.integers(2, 4))
+    first = draw(st.integers(1, 4)) if draw(st.booleans()) else None
+    last = draw(st.integers(1, 4)) if (first is None or draw(st.booleans())) else None
+    middle = pp - (first is not None) - (last is not None)
+    per = draw(st.integers(1, 3)) if middle else 0
+    counts = ([first] if first is not None else []) + [per] * middle + ([last] if last is not None else [])
+    pattern = draw(st.text(alphabet="M*-" + ("E" if hs.experts else ""), min_size=sum(counts), max_size=sum(counts)))
+    cut = tuple(pattern[sum(counts[:i]):sum(counts[:i + 1])] for i in range(pp))
+    rec = ("full", hs.recompute[1], 1) if hs.recompute else ()
+    return hs.with_(segments=(pattern,), pp=pp, recompute=rec), first, last, cut
+
+
+@QUARTER
+@given(uneven_hybrid_jobs())
+def test_uneven_first_last_stages_of_a_hybrid_pattern_are_its_bar_segments(job):
+    """A pattern without '|' over PP ranks takes --decoder-first/last-pipeline-num-layers as the first / last rank's
+    layers, the rest even over the middle ranks (select_pipeline_segment's uneven branch, hybrid_layer_allocation.py
+    0.19.2; validate_args passes them as num_layers_in_first/last_pipeline_stage): the same split written as '|'
+    segments estimates alike on every stage, term by term, MTP depths included."""
+    hs, first, last, cut = job
+    flags = hs.flags() + (["--decoder-first-pipeline-num-layers", str(first)] if first is not None else []) + (
+        ["--decoder-last-pipeline-num-layers", str(last)] if last is not None else [])
+    try:
+        a = layout_from_flags(flags, world_size=hs.world, megatron_version="0.19")
+    except (ConfigError, ConfigErrors, NotModelledError):
+        reject()
+    b = layout(hs.with_(segments=cut))
+    assert [s.num_layers for s in estimate(a).stages] == [len(seg) for seg in cut]
+    assert _numbers(estimate(a)) == _numbers(estimate(b))
