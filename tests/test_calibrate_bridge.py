@@ -1,0 +1,168 @@
+"""memguard calibrate on Megatron-Bridge and NeMo 2 runs: the run directory Bridge leaves (stdout with its
+training_log and GB memory reports, run_config.yaml in the checkpoint directory), made from memguard's estimate
+under known site constants (tests/bridge_logs.py writes the lines with the libraries' own format strings). The fit
+must recover the constants each line isolates, and refuse runs it cannot use by name."""
+import random
+
+import pytest
+
+from bridge_logs import (grid_line, iteration_line, member_line, memory_line, memory_stats, microbatches_line,
+                         nemo_progress_line, report_memory)
+from megatron_logs import dp0_ranks
+from test_readers_bridge import FLAT, SHAPE
+from megatron_memguard import SiteConstants, estimate, lookup_gpu
+from megatron_memguard.calibrate import calibrate
+from megatron_memguard.calibrate.runs import read_runs
+from megatron_memguard.errors import MemguardError
+from megatron_memguard.readers.detect import read_config_file
+from megatron_memguard.report.bridge_log import read_bridge_logs
+from megatron_memguard.report.megatron_run import pp_rank_of
+from megatron_memguard.resolve import resolve
+
+MiB = 2**20
+A100 = lookup_gpu("A100-80GB")
+# (TP, PP, CP, Transformer Engine?, world size): local-layer runs tell the TE workspace from cuBLAS's
+LAYOUTS = [(1, 1, 1, True, 8), (2, 1, 1, True, 8), (2, 2, 1, True, 8), (2, 2, 2, True, 16), (1, 2, 1, False, 8),
+           (4, 1, 1, False, 8), (2, 1, 2, True, 8)]
+TRUE = SiteConstants(cuda_context=700 * MiB, nccl_per_communicator=96 * MiB, allocator_fragmentation=0.12,
+                     te_workspace=20 * MiB, cublas_workspace=16 * MiB)
+
+
+def run_config(tp, pp, cp, te):
+    """A Bridge ConfigContainer dump (the keys test_readers_bridge.FLAT has) at this layout."""
+    text = FLAT
+    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        text = text.replace(f"  {k}: {SHAPE[k]}\n", f"  {k}: {dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp)[k]}\n")
+    text = text.replace("  sequence_parallel: true\n", f"  sequence_parallel: {'true' if tp > 1 else 'false'}\n")
+    if not te:
+        text = text.replace("  bf16: true\ntrain", "  bf16: true\n  transformer_impl: local\ntrain")
+    return text
+
+
+def write_bridge_runs(root, layouts=LAYOUTS, site=TRUE, world_line="grid", noise=0.0, seed=1, config=True):
+    """One directory per run: stdout.log (rank 0's and the last rank's lines, log_interval 5 of 20 iterations: the
+    memory report at iteration 5 only, train_utils.py l.1236-1239) and checkpoints/iter_0000020/run_config.yaml."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (tp, pp, cp, te, world) in enumerate(layouts):
+        text = run_config(tp, pp, cp, te)
+        d = root / f"run{i}"
+        (d / "checkpoints" / "iter_0000020").mkdir(parents=True)
+        cfg = d / "checkpoints" / "iter_0000020" / "run_config.yaml"
+        cfg.write_text(text)
+        L = resolve(read_config_file(str(cfg), environ={}), world_size=world)
+        if not config:
+            cfg.unlink()
+        est = estimate(L, gpu=A100, site=site, dp_rank=0)
+        dp = world // (tp * pp * cp)
+        lines = {"grid": [grid_line(tp, pp, cp, dp)], "member": [member_line(world)],
+                 "microbatches": [microbatches_line(32 // (2 * dp))], "none": []}[world_line]
+        lines.append("[NeMo I 2026-08-22 10:00:00 utils:123] Setting up optimizer")
+        for it in (5, 10, 15, 20):
+            lines.append(iteration_line(it, 20, it * 32, 1500.0 if it == 5 else 1000.0 + it, 32))
+            if it == 5:
+                for r in dp0_ranks(tp, pp, dp, cp):
+                    st = est.stages[pp_rank_of(r, L)]
+                    steady, peak, res = (int(v * (1 + rng.gauss(0, noise))) for v in
+                                         (st.persistent_bytes, st.peak_allocated_bytes, st.peak_reserved_bytes))
+                    lines.append(memory_line(r, it, memory_stats(steady, peak, res, res)))
+        (d / "stdout.log").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_report_memory_line_by_hand(tmp_path):
+    # 30,123,456,789 bytes: / 1e9 = 30.123456789, 5 significant digits -> 30.123 (train_utils.py l.1289-1293)
+    stats = memory_stats(30_123_456_789, 45_678_901_234, 47_000_000_000, 47_000_000_000)
+    assert report_memory(stats)["mem-allocated-gigabytes"] == 30.123
+    line = memory_line(3, 10, stats)
+    assert line.startswith("[Rank 3] (after 10 iterations) memory (GB) | mem-allocated-gigabytes: 30.123 | ")
+    (tmp_path / "out.log").write_text("[default3]:" + line + "\n")
+    (m,) = read_bridge_logs(str(tmp_path)).memory
+    # GB is 10**9 bytes (report_memory divides by 1.0e9), not GiB
+    assert (m.rank, m.iteration, m.allocated, m.max_allocated, m.max_reserved) == \
+        (3, 10, 30_123_000_000, 45_679_000_000, 47_000_000_000)
+
+
+def test_recovers_known_constants_from_bridge_runs(tmp_path):
+    runs = read_runs([str(write_bridge_runs(tmp_path))], gpu=A100)
+    assert len(runs) == 7 and sum(len(r.observations) for r in runs) == 1 + 2 + 4 + 8 + 2 + 4 + 4
+    assert all(r.source.startswith("Megatron-Bridge log + checkpoints/iter_0000020/run_config.yaml") for r in runs)
+    assert [r.layout.world_size for r in runs] == [w for *_, w in LAYOUTS]
+    res = calibrate(runs)
+    got = res.fitted
+    # report_memory keeps 5 significant digits of GB: these runs' figures (0.1-2 GB) to 10 kB-0.1 MB
+    assert got["allocator_fragmentation"] == pytest.approx(0.12, abs=1e-3)
+    assert got["te_workspace"] == pytest.approx(20 * MiB, abs=0.5 * MiB)
+    assert got["cublas_workspace"] == pytest.approx(16 * MiB, abs=0.5 * MiB)
+    # Bridge prints no device memory used: the CUDA context and NCCL buffers are never fitted from these runs
+    for name in ("cuda_context", "nccl_per_communicator"):
+        assert name not in got and next(c for c in res.constants if c.name == name).status == "too little data"
+
+
+@pytest.mark.parametrize("world_line", ["member", "microbatches"])
+def test_world_size_from_lightning_or_the_number_of_microbatches(tmp_path, world_line):
+    runs = read_runs([str(write_bridge_runs(tmp_path, layouts=LAYOUTS[2:4], world_line=world_line))], gpu=A100)
+    # microbatches: DP = 32 / (2 x 8) = 2 -> world 2 x TP 2 x PP 2 = 8; 32 / (2 x 8)... run 3: DP 2 x 8 = 16
+    assert [r.layout.world_size for r in runs] == [8, 16]
+
+
+def test_world_size_missing_is_named(tmp_path):
+    write_bridge_runs(tmp_path, layouts=LAYOUTS[:1], world_line="none")
+    with pytest.raises(MemguardError, match="world size is not in its log.*--world-size"):
+        read_runs([str(tmp_path / "run0")], gpu=A100)
+    (run,) = read_runs([str(tmp_path / "run0")], gpu=A100, resolve_kw={"world_size": 8})
+    assert run.layout.world_size == 8
+
+
+def test_missing_config_is_refused_by_name(tmp_path):
+    write_bridge_runs(tmp_path, layouts=LAYOUTS[:1], config=False)
+    with pytest.raises(MemguardError, match=r"Megatron-Bridge log without its configuration: no run_config.yaml.*--config"):
+        read_runs([str(tmp_path / "run0")], gpu=A100)
+
+
+def test_a_log_without_usable_measurements_is_refused(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "stdout.log").write_text(grid_line(1, 1, 1, 8) + "\nsome other line\n")
+    with pytest.raises(MemguardError, match="Megatron-Bridge log with no usable measurement: no memory report"):
+        read_runs([str(d)], gpu=A100)
+    # memory lines that keep neither allocated figure (a logger.memory_keys of the user's)
+    keys = {"reserved_bytes.all.current": "mem-reserved-bytes"}
+    (d / "stdout.log").write_text(grid_line(1, 1, 1, 8) + "\n" + memory_line(0, 1, memory_stats(1, 2, 3, 3), keys) + "\n")
+    with pytest.raises(MemguardError, match="lack mem-allocated-gigabytes"):
+        read_runs([str(d)], gpu=A100)
+
+
+def test_truncated_and_interleaved_lines_are_not_misread(tmp_path):
+    stats = memory_stats(1_234_567_890, 2_345_678_901, 3_000_000_000, 3_000_000_000)
+    a, b = memory_line(0, 5, stats), memory_line(1, 5, stats)
+    log = tmp_path / "out.log"
+    # rank 0's print cut inside 'mem-allocated-gigabytes: 1.2346' by rank 1's whole line (read: rank 1's own; rank
+    # 0's '1.2' is not), then a file whose last line is cut at the same place
+    cut = a[:a.index("1.2346") + 3]
+    log.write_text("[default0]:" + cut + "[default1]:" + b + "\n" + "[default0]:" + cut)
+    bl = read_bridge_logs(str(log))
+    assert [(m.rank, m.allocated) for m in bl.memory] == [(1, 1_234_600_000)]
+    assert bl.bad_lines == 1 and any("cut off" in n for n in bl.notes)
+
+
+def test_step_times_from_bridge_and_nemo2_lines(tmp_path):
+    runs = read_runs([str(write_bridge_runs(tmp_path, layouts=LAYOUTS[:1]))], gpu=A100)
+    from megatron_memguard.calibrate.timeruns import measured_step
+    # intervals 10, 15, 20 (the first, 1,500 ms of warm-up, left out): 1,010 / 1,015 / 1,020 ms -> median 1.015 s
+    assert measured_step(runs[0].iteration_times, "run")[0] == pytest.approx(1.015)
+    # NeMo 2's ProgressPrinter: 'train_step_timing in s' to 4 significant digits, iteration n - 1
+    d = tmp_path / "nemo"
+    d.mkdir()
+    lines = [member_line(8)] + [nemo_progress_line(n, 100, {"lr": 3e-4, "global_batch_size": 32.0, "global_step": float(n - 1),
+                                                              "reduced_train_loss": 10.47, "train_step_timing in s": t,
+                                                              "consumed_samples": float(32 * n)})
+                                for n, t in ((10, 2.5), (20, 1.23456), (30, 1.2))]
+    assert "| train_step_timing in s: 1.235 |" in lines[2] and "iteration 19/99" in lines[2]
+    (d / "out.log").write_text("\n".join(lines) + "\n")
+    bl = read_bridge_logs(str(d))
+    assert bl.world_size == 8 and bl.nemo_times == [(9, 2500.0, None), (19, 1235.0, None), (29, 1200.0, None)]
+    assert measured_step(bl.nemo_times, "nemo")[0] == pytest.approx((1.235 + 1.2) / 2)
+    # a NeMo 2 log needs its configuration too (NeMo 2 checkpoints keep it in context/model.yaml)
+    with pytest.raises(MemguardError, match="NeMo 2 log without its configuration.*context/model.yaml"):
+        read_runs([str(d)], gpu=A100)
