@@ -39,7 +39,7 @@ def run_config(tp, pp, cp, te):
     return text
 
 
-def write_bridge_runs(root, layouts=LAYOUTS, site=TRUE, world_line="grid", noise=0.0, seed=1, config=True):
+def write_bridge_runs(root, layouts=LAYOUTS, site=TRUE, world_line="grid", noise=0.0, seed=1, config=True, step=None):
     """One directory per run: stdout.log (rank 0's and the last rank's lines, log_interval 5 of 20 iterations: the
     memory report at iteration 5 only, train_utils.py l.1236-1239) and checkpoints/iter_0000020/run_config.yaml."""
     rng = random.Random(seed)
@@ -50,7 +50,9 @@ def write_bridge_runs(root, layouts=LAYOUTS, site=TRUE, world_line="grid", noise
         (d / "checkpoints" / "iter_0000020").mkdir(parents=True)
         cfg = d / "checkpoints" / "iter_0000020" / "run_config.yaml"
         cfg.write_text(text)
-        L = resolve(read_config_file(str(cfg), environ={}), world_size=world)
+        raw = read_config_file(str(cfg), environ={})
+        L = resolve(raw, world_size=world)
+        ms = step(raw, world) * 1000 if step else 1000.0
         if not config:
             cfg.unlink()
         est = estimate(L, gpu=A100, site=site, dp_rank=0)
@@ -59,7 +61,7 @@ def write_bridge_runs(root, layouts=LAYOUTS, site=TRUE, world_line="grid", noise
                  "microbatches": [microbatches_line(32 // (2 * dp))], "none": []}[world_line]
         lines.append("[NeMo I 2026-08-22 10:00:00 utils:123] Setting up optimizer")
         for it in (5, 10, 15, 20):
-            lines.append(iteration_line(it, 20, it * 32, 1500.0 if it == 5 else 1000.0 + it, 32))
+            lines.append(iteration_line(it, 20, it * 32, 1.5 * ms if it == 5 else ms * (1 + it * 1e-5), 32))
             if it == 5:
                 for r in dp0_ranks(tp, pp, dp, cp):
                     st = est.stages[pp_rank_of(r, L)]
@@ -149,8 +151,9 @@ def test_truncated_and_interleaved_lines_are_not_misread(tmp_path):
 def test_step_times_from_bridge_and_nemo2_lines(tmp_path):
     runs = read_runs([str(write_bridge_runs(tmp_path, layouts=LAYOUTS[:1]))], gpu=A100)
     from megatron_memguard.calibrate.timeruns import measured_step
-    # intervals 10, 15, 20 (the first, 1,500 ms of warm-up, left out): 1,010 / 1,015 / 1,020 ms -> median 1.015 s
-    assert measured_step(runs[0].iteration_times, "run")[0] == pytest.approx(1.015)
+    # intervals 10, 15, 20 (the first, 1,500 ms of warm-up, left out): 1,000.1 / 1,000.15 / 1,000.2 ms, printed
+    # with {:.1f} as 1000.1 / 1000.2 / 1000.2 -> median 1.0002 s
+    assert measured_step(runs[0].iteration_times, "run")[0] == pytest.approx(1.0002, abs=1e-9)
     # NeMo 2's ProgressPrinter: 'train_step_timing in s' to 4 significant digits, iteration n - 1
     d = tmp_path / "nemo"
     d.mkdir()
@@ -166,3 +169,18 @@ def test_step_times_from_bridge_and_nemo2_lines(tmp_path):
     # a NeMo 2 log needs its configuration too (NeMo 2 checkpoints keep it in context/model.yaml)
     with pytest.raises(MemguardError, match="NeMo 2 log without its configuration.*context/model.yaml"):
         read_runs([str(d)], gpu=A100)
+
+
+def test_recovers_a_known_gemm_efficiency_from_bridge_step_times(tmp_path):
+    # step times the planner's model gives each run's own layout at a GEMM efficiency of 0.5 (the A100 row's 0.78
+    # otherwise); Bridge prints them to 0.1 ms, with 100-200 ppm of drift between intervals here
+    from megatron_memguard.calibrate.timeruns import run_predictor
+    from megatron_memguard.cli.calibrate import fit_times
+    from megatron_memguard.time_constants import TIME_CONSTANTS
+
+    known = {c.name: c.default(A100) for c in TIME_CONSTANTS}
+    known["gemm_efficiency"] = 0.5
+    runs = read_runs([str(write_bridge_runs(tmp_path, step=lambda raw, w: run_predictor(raw, A100, w)[0](known)))],
+                     gpu=A100)
+    tf, notes = fit_times(runs, {}, ["gemm_efficiency"], 3, None)
+    assert tf is not None and tf.fitted["gemm_efficiency"] == pytest.approx(0.5, rel=0.002), notes
