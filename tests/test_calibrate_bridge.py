@@ -184,3 +184,31 @@ def test_recovers_a_known_gemm_efficiency_from_bridge_step_times(tmp_path):
                      gpu=A100)
     tf, notes = fit_times(runs, {}, ["gemm_efficiency"], 3, None)
     assert tf is not None and tf.fitted["gemm_efficiency"] == pytest.approx(0.5, rel=0.002), notes
+
+
+def test_memguard_report_reads_a_bridge_run(tmp_path):
+    # made with memguard's default constants: report_memory's 5 significant digits are the only difference
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from megatron_memguard.estimator.site import DEFAULT_SITE
+
+    write_bridge_runs(tmp_path, layouts=LAYOUTS[2:3], site=DEFAULT_SITE)
+    r = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "report", str(tmp_path / "run0"), "--gpu",
+                        "A100-80GB", "--json"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    # TP 2 x PP 2 on 8 GPUs: Bridge's reports of DP rank 0 at each (TP, PP) position, ranks 0, 1, 4, 5
+    assert [(x["rank"], x["pp_rank"]) for x in doc["ranks"]] == [(0, 0), (1, 0), (4, 1), (5, 1)]
+    for x in doc["ranks"]:
+        # GB to 5 significant digits of these 0.27-0.28 GB peaks: within 5 kB, under 2e-5
+        assert abs(x["error_max_allocated"]) < 2e-5 and abs(x["error_max_reserved"]) < 2e-5
+        assert x["actual_device_used"] is None         # Bridge prints no device memory used
+    assert any("run_config.yaml" in n for n in doc["notes"])
+    # without run_config.yaml and --config: the same named refusal as calibrate's
+    (tmp_path / "run0" / "checkpoints" / "iter_0000020" / "run_config.yaml").unlink()
+    r = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "report", str(tmp_path / "run0")],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "no run_config.yaml" in r.stderr and r.stderr.count("\n") == 1, r.stderr

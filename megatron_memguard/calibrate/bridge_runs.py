@@ -91,24 +91,14 @@ def bridge_observations(blog: BridgeLog, L: Layout, tp_pp_dp: bool) -> list[Obse
     return obs
 
 
-def bridge_run(path: str, blog: BridgeLog, gpu: GpuSpec | None, device: str, raw: RawConfig | None,
-               env: dict[str, str] | None, resolve_kw: dict[str, Any]) -> tuple[CalibrationRun, Finding]:
-    """The run at ``path`` whose logs ``blog`` holds; ReaderError naming what is missing."""
+def bridge_config(path: str, blog: BridgeLog, raw: RawConfig | None, env: dict[str, str] | None, world: int | None,
+                  kind: str = "Megatron-Bridge") -> tuple[RawConfig, str]:
+    """(the run's configuration with its world size, where it came from): ``raw`` (--config) else the run's own
+    run_config.yaml / context/model.yaml; ReaderError naming what is missing."""
     import dataclasses
 
     from ..readers.detect import read_config_file
 
-    kind = "NeMo 2" if blog.nemo_progress and not blog.memory else "Megatron-Bridge"
-    mlog = read_megatron_logs([path])
-    times = list(mlog.iteration_times) or list(blog.nemo_times)
-    usable = [m for m in blog.memory if m.allocated is not None or m.max_allocated is not None]
-    if not usable and not times:
-        why = ("its memory lines lack mem-allocated-gigabytes and mem-max-allocated-gigabytes (logger.memory_keys)"
-               if blog.memory else
-               "no memory report ('[Rank N] (after K iterations) memory (GB) | mem-allocated-gigabytes: ...', "
-               "Bridge's training_log) and no step time ('elapsed time per iteration (ms)' or NeMo 2's "
-               "'train_step_timing in s')")
-        raise ReaderError(f"{path}: a {kind} log with no usable measurement: {why}")
     if raw is None:
         cfg = find_config(path)
         if cfg is None:
@@ -121,8 +111,25 @@ def bridge_run(path: str, blog: BridgeLog, gpu: GpuSpec | None, device: str, raw
         source = f"{kind} log + the given configuration"
     if env:
         raw = dataclasses.replace(raw, env={**raw.env, **env})
-    world = world_size_of(blog, raw, resolve_kw.get("world_size"), path)
-    raw = dataclasses.replace(raw, world_size=world)
+    return dataclasses.replace(raw, world_size=world_size_of(blog, raw, world, path)), source
+
+
+def bridge_run(path: str, blog: BridgeLog, gpu: GpuSpec | None, device: str, raw: RawConfig | None,
+               env: dict[str, str] | None, resolve_kw: dict[str, Any]) -> tuple[CalibrationRun, Finding]:
+    """The run at ``path`` whose logs ``blog`` holds; ReaderError naming what is missing."""
+    kind = "NeMo 2" if blog.nemo_progress and not blog.memory else "Megatron-Bridge"
+    mlog = read_megatron_logs([path])
+    times = list(mlog.iteration_times) or list(blog.nemo_times)
+    usable = [m for m in blog.memory if m.allocated is not None or m.max_allocated is not None]
+    if not usable and not times:
+        why = ("its memory lines lack mem-allocated-gigabytes and mem-max-allocated-gigabytes (logger.memory_keys)"
+               if blog.memory else
+               "no memory report ('[Rank N] (after K iterations) memory (GB) | mem-allocated-gigabytes: ...', "
+               "Bridge's training_log) and no step time ('elapsed time per iteration (ms)' or NeMo 2's "
+               "'train_step_timing in s')")
+        raise ReaderError(f"{path}: a {kind} log with no usable measurement: {why}")
+    raw, source = bridge_config(path, blog, raw, env, resolve_kw.get("world_size"), kind)
+    world = raw.world_size
     L = resolve(raw, world_size=world, megatron_version=resolve_kw.get("megatron_version"),
                 vocab_size=resolve_kw.get("vocab_size"))
     obs = bridge_observations(blog, L, tp_pp_dp_mapping(raw)) if usable else []
@@ -146,4 +153,4 @@ def is_bridge_run(path: str) -> BridgeLog | None:
     return blog if blog.is_bridge or (find_config(path) or "").endswith(CONFIG_NAMES) else None
 
 
-__all__ = ["bridge_run", "is_bridge_run", "find_config", "world_size_of", "bridge_observations"]
+__all__ = ["bridge_run", "bridge_config", "is_bridge_run", "find_config", "world_size_of", "bridge_observations"]

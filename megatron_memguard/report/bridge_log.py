@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .megatron_log import _lines, find_log_files
+from .megatron_log import MemoryLine, _lines, find_log_files
 
 GB = 10**9          # report_memory divides by 1.0e9
 _NUM = r"[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
@@ -172,4 +172,12 @@ def read_bridge_logs(paths: str | Sequence[str]) -> BridgeLog:
     return log
 
 
-__all__ = ["BridgeLog", "GbMemoryLine", "read_bridge_logs", "GB"]
+def as_memory_lines(blog: BridgeLog) -> list[MemoryLine]:
+    """The reports that carry all four counters, as Megatron's memory lines (what ``memguard report`` reads); a
+    report without one of them (a ``logger.memory_keys`` of the user's) is left out."""
+    return [MemoryLine(m.rank, f"(after {m.iteration} iterations)", m.iteration, m.allocated, m.max_allocated,
+                       m.reserved, m.max_reserved, None, m.file, m.line)
+            for m in blog.memory if None not in (m.allocated, m.max_allocated, m.reserved, m.max_reserved)]
+
+
+__all__ = ["BridgeLog", "GbMemoryLine", "read_bridge_logs", "as_memory_lines", "GB"]
