@@ -8,7 +8,7 @@ import pytest
 
 from bridge_logs import (grid_line, iteration_line, member_line, memory_line, memory_stats, microbatches_line,
                          nemo_progress_line, report_memory)
-from megatron_logs import dp0_ranks
+from megatron_logs import dp0_ranks, interleave
 from test_readers_bridge import FLAT, SHAPE
 from megatron_memguard import SiteConstants, estimate, lookup_gpu
 from megatron_memguard.calibrate import calibrate
@@ -40,8 +40,9 @@ def run_config(tp, pp, cp, te):
 
 
 def write_bridge_runs(root, layouts=LAYOUTS, site=TRUE, world_line="grid", noise=0.0, seed=1, config=True, step=None):
-    """One directory per run: stdout.log (rank 0's and the last rank's lines, log_interval 5 of 20 iterations: the
-    memory report at iteration 5 only, train_utils.py l.1236-1239) and checkpoints/iter_0000020/run_config.yaml."""
+    """One directory per run: stdout.log (every rank's output behind torchrun's prefixes, interleaved; log_interval 5
+    of 20 iterations: the memory reports at iteration 5 only, train_utils.py l.1236-1239) and
+    checkpoints/iter_0000020/run_config.yaml."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     for i, (tp, pp, cp, te, world) in enumerate(layouts):
@@ -60,14 +61,15 @@ def write_bridge_runs(root, layouts=LAYOUTS, site=TRUE, world_line="grid", noise
         lines = {"grid": [grid_line(tp, pp, cp, dp)], "member": [member_line(world)],
                  "microbatches": [microbatches_line(32 // (2 * dp))], "none": []}[world_line]
         lines.append("[NeMo I 2026-08-22 10:00:00 utils:123] Setting up optimizer")
-        for it in (5, 10, 15, 20):
-            lines.append(iteration_line(it, 20, it * 32, 1.5 * ms if it == 5 else ms * (1 + it * 1e-5), 32))
-            if it == 5:
-                for r in dp0_ranks(tp, pp, dp, cp):
-                    st = est.stages[pp_rank_of(r, L)]
-                    steady, peak, res = (int(v * (1 + rng.gauss(0, noise))) for v in
-                                         (st.persistent_bytes, st.peak_allocated_bytes, st.peak_reserved_bytes))
-                    lines.append(memory_line(r, it, memory_stats(steady, peak, res, res)))
+        last = world - 1          # print_rank_last's iteration lines; each rank's report behind its launcher prefix
+        streams = [[f"[default{last}]:" + iteration_line(it, 20, it * 32, 1.5 * ms if it == 5 else ms * (1 + it * 1e-5), 32)
+                    for it in (5, 10, 15, 20)]]
+        for r in dp0_ranks(tp, pp, dp, cp):
+            st = est.stages[pp_rank_of(r, L)]
+            steady, peak, res = (int(v * (1 + rng.gauss(0, noise))) for v in
+                                 (st.persistent_bytes, st.peak_allocated_bytes, st.peak_reserved_bytes))
+            streams.append([f"[default{r}]:" + memory_line(r, 5, memory_stats(steady, peak, res, res))])
+        lines += interleave(*streams, seed=seed + i)      # the ranks' prints in a random order
         (d / "stdout.log").write_text("\n".join(lines) + "\n")
     return root
 
@@ -212,3 +214,14 @@ def test_memguard_report_reads_a_bridge_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_memguard.cli.main", "report", str(tmp_path / "run0")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "no run_config.yaml" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_log_file_given_alone_takes_only_the_config_beside_it(tmp_path):
+    write_bridge_runs(tmp_path, layouts=LAYOUTS[1:2])
+    d = tmp_path / "run0"
+    with pytest.raises(MemguardError, match="no run_config.yaml"):      # (the checkpoint's is not searched for)
+        read_runs([str(d / "stdout.log")], gpu=A100)
+    (d / "run_config.yaml").write_text((d / "checkpoints" / "iter_0000020" / "run_config.yaml").read_text())
+    (run,) = read_runs([str(d / "stdout.log")], gpu=A100)
+    assert run.source == "Megatron-Bridge log + run_config.yaml" and (run.layout.tp, run.layout.world_size) == (2, 8)
+    assert [o.rank for o in run.observations] == [0, 1]

@@ -33,8 +33,12 @@ MAX_DEPTH = 4                                 # run/checkpoints/iter_0000100/run
 
 def find_config(path: str) -> str | None:
     """The run's own configuration file: the newest checkpoint's ``run_config.yaml`` (or NeMo 2's
-    ``context/model.yaml``) in the run's directory (a log file's own directory), searched ``MAX_DEPTH`` deep."""
-    root = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    ``context/model.yaml``) in the run's directory, searched ``MAX_DEPTH`` deep; for a log file given alone, only
+    a ``run_config.yaml`` beside it (its directory may hold other runs, or be a home directory)."""
+    if not os.path.isdir(path):
+        beside = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG_NAMES[0])
+        return beside if os.path.isfile(beside) else None
+    root = path
     found: list[str] = []
     base = root.rstrip(os.sep).count(os.sep)
     for d, dirs, files in os.walk(root):
