@@ -225,3 +225,26 @@ def test_a_log_file_given_alone_takes_only_the_config_beside_it(tmp_path):
     (run,) = read_runs([str(d / "stdout.log")], gpu=A100)
     assert run.source == "Megatron-Bridge log + run_config.yaml" and (run.layout.tp, run.layout.world_size) == (2, 8)
     assert [o.rank for o in run.observations] == [0, 1]
+
+
+def test_a_nemo2_run_joins_the_time_fit_only(tmp_path):
+    import os
+    import shutil
+
+    from benchmarks.shared_data import CONFIGS
+    from megatron_memguard.readers.megatron_flags import parse_megatron_flags
+    from test_calibrate import BASE
+
+    d = tmp_path / "nemo"
+    (d / "ckpt" / "step=99" / "context").mkdir(parents=True)
+    # a NeMo 2 checkpoint's context/model.yaml (shared/configs/nemo2): the model's config, no batch sizes
+    shutil.copy(os.path.join(CONFIGS, "nemo2", "context_model.yaml"), d / "ckpt" / "step=99" / "context" / "model.yaml")
+    lines = [member_line(8)] + [nemo_progress_line(n, 100, {"reduced_train_loss": 10.47, "train_step_timing in s": t})
+                                for n, t in ((10, 2.5), (20, 1.2), (30, 1.2))]
+    (d / "out.log").write_text("\n".join(lines) + "\n")
+    with pytest.raises(MemguardError, match=r"context/model.yaml holds NeMo 2's model only .*--micro-batch-size"):
+        read_runs([str(d)], gpu=A100)
+    (run,) = read_runs([str(d)], gpu=A100, raw=parse_megatron_flags(BASE))
+    assert run.source == "NeMo 2 log + the given configuration" and run.layout.world_size == 8   # MEMBER: 1/8
+    assert run.observations == [] and run.iteration_times == [(9, 2500.0, None), (19, 1200.0, None), (29, 1200.0, None)]
+    assert any("step times join the time fit only" in n for n in run.notes)

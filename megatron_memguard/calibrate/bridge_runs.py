@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from ..config import RawConfig
-from ..errors import ReaderError
+from ..errors import ConfigError, ConfigErrors, ReaderError
 from ..gpus import GpuSpec
 from ..layout import Layout
 from ..report.bridge_log import BridgeLog, read_bridge_logs
@@ -134,8 +134,15 @@ def bridge_run(path: str, blog: BridgeLog, gpu: GpuSpec | None, device: str, raw
         raise ReaderError(f"{path}: a {kind} log with no usable measurement: {why}")
     raw, source = bridge_config(path, blog, raw, env, resolve_kw.get("world_size"), kind)
     world = raw.world_size
-    L = resolve(raw, world_size=world, megatron_version=resolve_kw.get("megatron_version"),
-                vocab_size=resolve_kw.get("vocab_size"))
+    try:
+        L = resolve(raw, world_size=world, megatron_version=resolve_kw.get("megatron_version"),
+                    vocab_size=resolve_kw.get("vocab_size"))
+    except (ConfigError, ConfigErrors) as e:
+        if not source.endswith(NEMO2_CONFIG):
+            raise
+        # (NeMo 2's context/model.yaml is the model's config: the batch sizes live in the data module)
+        raise ReaderError(f"{path}: {source.split(' + ')[1]} holds NeMo 2's model only and the layout needs more ({e}); "
+                          "give the run's configuration with --config FILE (or its flags after --)") from None
     obs = bridge_observations(blog, L, tp_pp_dp_mapping(raw)) if usable else []
     if blog.memory and not obs:
         raise ReaderError(f"{path}: its memory lines name only ranks at or past the world size {world}")
