@@ -79,6 +79,11 @@ def iteration_line(iteration: int, train_iters: int, consumed: int, ms: float, g
     return log_string
 
 
+def step_time_line(elapsed_time_per_iteration: float, per_gpu_tf: float) -> str:
+    """training_log l.1133-1135 (print_rank_0, before the iteration line)."""
+    return f"Step Time : {elapsed_time_per_iteration:.2f}s GPU utilization: {per_gpu_tf:.1f}MODEL_TFLOP/s/GPU"
+
+
 def grid_line(tp: int, pp: int, cp: int, dp: int) -> str:
     return f"> initialized HyperCommGrid with tp={tp}, pp={pp}, cp={cp}, dp={dp}"
 

@@ -248,3 +248,24 @@ def test_a_nemo2_run_joins_the_time_fit_only(tmp_path):
     assert run.source == "NeMo 2 log + the given configuration" and run.layout.world_size == 8   # MEMBER: 1/8
     assert run.observations == [] and run.iteration_times == [(9, 2500.0, None), (19, 1200.0, None), (29, 1200.0, None)]
     assert any("step times join the time fit only" in n for n in run.notes)
+
+
+def test_rank_0_only_step_times_from_bridge_step_time_lines(tmp_path):
+    from bridge_logs import step_time_line
+    from megatron_memguard.calibrate.timeruns import measured_step
+
+    write_bridge_runs(tmp_path, layouts=LAYOUTS[:1])
+    d = tmp_path / "run0"
+    # rank 0's file only: its report and Bridge's 'Step Time' lines, no iteration line (print_rank_last)
+    text = (d / "stdout.log").read_text()
+    keep = [x for x in text.splitlines() if "elapsed time per iteration" not in x]
+    keep += [step_time_line(s, 150.0) for s in (3.2, 1.2345, 1.2, 1.25)]
+    (d / "stdout.log").write_text("\n".join(keep) + "\n")
+    (run,) = read_runs([str(d)], gpu=A100)
+    # printed to 10 ms: 3.20 (warm-up, left out), 1.23 ({:.2f} of 1.2345), 1.20, 1.25 -> median 1.23 s
+    assert measured_step(run.iteration_times, "run0") == (pytest.approx(1.23), 150.0, 3)
+    assert any("'Step Time' lines" in n for n in run.notes)
+    # steps under half a second, to 10 ms, would be off by more than 1%: not used (the memory reports still are)
+    (d / "stdout.log").write_text("\n".join(keep[:-4] + [step_time_line(0.31, 90.0)] * 3) + "\n")
+    (run,) = read_runs([str(d)], gpu=A100)
+    assert run.iteration_times == [] and len(run.observations) == 1

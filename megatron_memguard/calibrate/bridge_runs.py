@@ -28,6 +28,7 @@ from .model import CalibrationRun, Observation
 
 CONFIG_NAMES = ("run_config.yaml",)           # Megatron-Bridge, utils/checkpoint_utils.py CONFIG_FILE
 NEMO2_CONFIG = os.path.join("context", "model.yaml")   # NeMo 2 checkpoints (nemo/lightning/io)
+STEP_TIME_MIN_S = 0.5                         # 'Step Time : 0.50s' is within 1% of the step whatever its third digit
 MAX_DEPTH = 4                                 # run/checkpoints/iter_0000100/run_config.yaml, run/ckpt/step=9/context
 
 
@@ -124,13 +125,21 @@ def bridge_run(path: str, blog: BridgeLog, gpu: GpuSpec | None, device: str, raw
     kind = "NeMo 2" if blog.nemo_progress and not blog.memory else "Megatron-Bridge"
     mlog = read_megatron_logs([path])
     times = list(mlog.iteration_times) or list(blog.nemo_times)
+    notes = []
+    if not times and blog.step_times:
+        # (only rank 0's output: Bridge's 'Step Time' line, to 10 ms; a step under STEP_TIME_MIN_S would be off by
+        # more than 1% for the rounding alone)
+        times = [t for t in blog.step_times if t[1] >= STEP_TIME_MIN_S * 1000]
+        notes.append(f"step times from Bridge's rank-0 'Step Time' lines (to 10 ms; {len(times)} of "
+                     f"{len(blog.step_times)} at {STEP_TIME_MIN_S:g} s or more used): the last rank's iteration lines "
+                     "are not in the files")
     usable = [m for m in blog.memory if m.allocated is not None or m.max_allocated is not None]
     if not usable and not times:
         why = ("its memory lines lack mem-allocated-gigabytes and mem-max-allocated-gigabytes (logger.memory_keys)"
                if blog.memory else
                "no memory report ('[Rank N] (after K iterations) memory (GB) | mem-allocated-gigabytes: ...', "
-               "Bridge's training_log) and no step time ('elapsed time per iteration (ms)' or NeMo 2's "
-               "'train_step_timing in s')")
+               "Bridge's training_log) and no step time ('elapsed time per iteration (ms)', Bridge's 'Step Time : X.XXs' of "
+               f"{STEP_TIME_MIN_S:g} s or more, or NeMo 2's 'train_step_timing in s')")
         raise ReaderError(f"{path}: a {kind} log with no usable measurement: {why}")
     raw, source = bridge_config(path, blog, raw, env, resolve_kw.get("world_size"), kind)
     world = raw.world_size
@@ -149,6 +158,7 @@ def bridge_run(path: str, blog: BridgeLog, gpu: GpuSpec | None, device: str, raw
     found = infer_gpu(path, megatron_evidence(mlog), gpu) if device == "gpu" else Finding(gpu)
     run = CalibrationRun(name=path, layout=L, gpu=found.gpu, observations=obs, device=device, source=source, raw=raw,
                          iteration_times=times)
+    run.notes.extend(notes)
     if not obs:
         run.notes.append(f"{kind} log without memory reports: its step times join the time fit only")
     return run, found

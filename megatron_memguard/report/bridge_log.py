@@ -50,6 +50,8 @@ GRID_RE = re.compile(r"> initialized HyperCommGrid with tp=(\d{1,6}), pp=(\d{1,6
 MICROBATCHES_RE = re.compile(r"setting number of microbatches to constant (\d{1,9})\b")
 MEMBER_RE = re.compile(r"Initializing distributed: GLOBAL_RANK: \d{1,9}, MEMBER: \d{1,9}/(\d{1,9})")
 NEMO_PROGRESS_RE = re.compile(r"\bTraining epoch \d{1,9}, iteration (\d{1,12})/(-?\d{1,12}) \|")
+# Bridge's rank-0 line before each iteration line (train_utils.py l.1133-1135): the interval's seconds per iteration
+STEP_TIME_RE = re.compile(r"\bStep Time : (\d{1,9}\.\d\d)s GPU utilization: (\d{1,9}\.\d)MODEL_TFLOP/s/GPU")
 _STEP_TIMING = re.compile(r"\| train_step_timing in s: (" + _NUM + r")(?: \||$)")
 MAX_LINES = 1_000_000    # memory / progress lines kept (a log_interval 1 run of 10**6 steps)
 
@@ -76,6 +78,8 @@ class BridgeLog:
     # MegatronLog.iteration_times, so the time fit reads both alike
     nemo_times: list[tuple[int, float, float | None]] = field(default_factory=list)
     nemo_lines: list[int] = field(default_factory=list)   # their line numbers
+    # Bridge's 'Step Time' lines (rank 0), numbered 1, 2, ... in log order: (n, ms, TFLOP/s per GPU)
+    step_times: list[tuple[int, float, float | None]] = field(default_factory=list)
     nemo_progress: int = 0          # NeMo 2 progress lines, with or without a step time
     grid: tuple[int, int, int, int] | None = None      # (tp, pp, cp, dp) of Bridge's HyperCommGrid line
     microbatches: int | None = None
@@ -85,7 +89,7 @@ class BridgeLog:
 
     @property
     def is_bridge(self) -> bool:
-        return bool(self.memory or self.nemo_progress or self.grid)
+        return bool(self.memory or self.nemo_progress or self.grid or self.step_times)
 
     def by_rank(self) -> dict[int, list[GbMemoryLine]]:
         out: dict[int, list[GbMemoryLine]] = {}
@@ -156,6 +160,9 @@ def read_bridge_logs(paths: str | Sequence[str]) -> BridgeLog:
                     if math.isfinite(s) and 0 < s < 1e6:
                         log.nemo_times.append((int(m.group(1)), s * 1000.0, None))
                         log.nemo_lines.append(n)
+            elif "Step Time" in line and (m := STEP_TIME_RE.search(line)) is not None:
+                if len(log.step_times) < MAX_LINES:
+                    log.step_times.append((len(log.step_times) + 1, float(m.group(1)) * 1000.0, float(m.group(2))))
             elif "HyperCommGrid" in line and (m := GRID_RE.search(line)) is not None:
                 log.grid = tuple(int(x) for x in m.groups())  # type: ignore[assignment]
             elif "microbatches" in line and (m := MICROBATCHES_RE.search(line)) is not None:
