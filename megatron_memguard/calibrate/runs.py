@@ -20,6 +20,7 @@ from ..report.megatron_log import MegatronLog, read_megatron_logs, skipped_memor
 from ..report.megatron_run import rank_position, raw_from_log, tp_pp_dp_mapping
 from ..report.runlog import RankRun, read_run
 from ..resolve import resolve
+from .bridge_runs import bridge_run, is_bridge_run
 from .gpu_evidence import Finding, infer_gpu, jsonl_evidence, megatron_evidence, settle
 from .model import CalibrationRun, Observation
 
@@ -171,8 +172,12 @@ def read_runs(paths: Sequence[str], *, gpu: GpuSpec | None = None, device: str =
     runs, found = [], {}
     for p in expand(paths):
         try:
-            run, f = (_jsonl_run(p, gpu, layout_of if raw is not None else None) if _is_jsonl(p)
-                      else _megatron_run(p, gpu, device, raw_of, resolve_kw))
+            if _is_jsonl(p):
+                run, f = _jsonl_run(p, gpu, layout_of if raw is not None else None)
+            elif (blog := is_bridge_run(p)) is not None:     # Megatron-Bridge / NeMo 2 (calibrate/bridge_runs.py)
+                run, f = bridge_run(p, blog, gpu, device, raw, env, resolve_kw)
+            else:
+                run, f = _megatron_run(p, gpu, device, raw_of, resolve_kw)
         except MemguardError as e:
             text = str(e)
             raise ReaderError(text if text.startswith(p) else f"{p}: {text}") from None

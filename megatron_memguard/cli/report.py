@@ -119,10 +119,29 @@ def run_gpu(ns: argparse.Namespace, evidence: Sequence[Any], where: str) -> tupl
     raise ReaderError(f"{where}: {found.said} fits {' or '.join(sorted(found.fits))}, not one GPU; give --gpu")
 
 
-def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> tuple[Any, Any, bool, Any]:
+def _bridge_run(ns: argparse.Namespace, flags: list[str], mlog: Any) -> Any:
+    """A Megatron-Bridge log (its memory reports in GB, report/bridge_log.py): its reports join ``mlog`` as
+    memory lines; the configuration (with the world size) from --config / flags, else the run's run_config.yaml
+    (calibrate/bridge_runs.py). None: not a Bridge log."""
+    from ..calibrate.bridge_runs import bridge_config
+    from ..report.bridge_log import as_memory_lines, read_bridge_logs
+
+    blog = read_bridge_logs(ns.logdir)
+    lines = as_memory_lines(blog)
+    if not lines:
+        return None
+    mlog.memory.extend(lines)
+    mlog.notes.extend(blog.notes)
+    given = bool(ns.config or ns.model or flags or ns.set)
+    raw, _ = bridge_config(ns.logdir[0], blog, load_raw(ns, flags) if given else None, None, resolve_world(ns))
+    return raw
+
+
+def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any,
+                        bridge_raw: Any = None) -> tuple[Any, Any, bool, Any]:
     """(raw config, estimate at DP rank 0, tp-pp-dp rank order, the estimate at an (optimizer rank, expert
     optimizer rank) position) for a Megatron log: the configuration from --config / --model / flags, else from
-    the log's argument table."""
+    the log's argument table; ``bridge_raw``: a Megatron-Bridge run's (:func:`_bridge_run`)."""
     import dataclasses
 
     from ..estimator import estimate
@@ -130,7 +149,7 @@ def megatron_prediction(ns: argparse.Namespace, flags: list[str], log: Any) -> t
     from ..resolve import resolve
 
     given = bool(ns.config or ns.model or flags or ns.set)
-    raw = load_raw(ns, flags) if given else raw_from_log(log)
+    raw = bridge_raw if bridge_raw is not None else load_raw(ns, flags) if given else raw_from_log(log)
     env = job_env(ns.env)
     if env:
         raw = dataclasses.replace(raw, env={**raw.env, **env})
@@ -186,9 +205,10 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
         from ..report.oom import blame
 
         mlog = read_megatron_logs(ns.logdir)
+        bridge_raw = _bridge_run(ns, flags, mlog) if not mlog.memory else None
         if not mlog.memory and not mlog.ooms:
             megatron_runlog(mlog, None)    # the one-line error naming the files
-        raw, est, tp_pp_dp, at = megatron_prediction(ns, flags, mlog)
+        raw, est, tp_pp_dp, at = megatron_prediction(ns, flags, mlog, bridge_raw)
         for ev in mlog.ooms:
             pp = mlog.memguard_oom_ranks.get(ev.rank) if ev.rank is not None else None
             ev_est = est
