@@ -125,6 +125,7 @@ def one_constant(ev: Evaluator, n: int) -> list[str]:
              "the rule's with every target that holds at the defaults still held; the best gain over the rule in "
              "brackets.", "",
              "| constant | default | fixes at | gain | independent value: fixes? |", "| --- | --- | --- | --- | --- |"]
+    fine: dict[str, tuple[float, float] | None] = {}
     for p in r13.PARAMS:
         if p.name in NOT_ADOPTABLE:
             continue
@@ -142,7 +143,34 @@ def one_constant(ev: Evaluator, n: int) -> list[str]:
                        + (f", breaks {'; '.join(broken)}" if broken else ""))
         lines.append(f"| {p.name} | {_fmt(p.name, p.default)} | {_fmt_intervals(p.name, intervals(pts))} | "
                      f"{'+%.3f' % gain if gain > -math.inf else '-'} | {'<br>'.join(src) or '-'} |")
+        if not p.choices:
+            fine[p.name] = _fine_span(p, pts)
+    lines += ["", f"Finer ({FINE} points between the grid points around the fixes; the tie window around its default):",
+              ""]
+    for name, span in fine.items():
+        if span is None:
+            continue
+        lo, hi = span
+        pts = []
+        for i in range(FINE):
+            v = lo + (hi - lo) * i / (FINE - 1)
+            d, broken = ev.judge({name: v})
+            pts.append((v, d >= -1e-9 and not broken))
+        lines.append(f"- {name} {_fmt(name, lo)} - {_fmt(name, hi)}: fixes at {_fmt_intervals(name, intervals(pts))}")
     return lines
+
+
+FINE = 41
+
+
+def _fine_span(p: r13.Param, pts: list[tuple[float, bool]]) -> tuple[float, float] | None:
+    """The grid points just outside the fixing ones (the tie window: 3.5-4.5% around its 4%)."""
+    if p.name == "tie_window":
+        return (0.035, 0.045)
+    idx = [i for i, (_, ok) in enumerate(pts) if ok]
+    if not idx:
+        return None
+    return pts[max(0, idx[0] - 1)][0], pts[min(len(pts) - 1, idx[-1] + 1)][0]
 
 
 def two_constants(ev: Evaluator, n: int) -> list[str]:
@@ -163,6 +191,16 @@ def two_constants(ev: Evaluator, n: int) -> list[str]:
                 found.append(f"{p.name} {_fmt_intervals(p.name, iv)}")
         alone = f"{d0:+.3f}" + (f", breaks {'; '.join(b0)}" if b0 else "")
         lines.append(f"| {g:g} | {alone} | {'; '.join(found) or 'none'} |")
+    windows = (0.045, 0.0475, 0.05, 0.0525)
+    lines += ["", "The GEMM efficiency with the tie window (Spearman - rule's; `xN`: N held targets broken):", "",
+              "| GEMM efficiency | " + " | ".join(f"window {w:.2%}" for w in windows) + " |",
+              "| --- |" + " --- |" * len(windows)]
+    for g in (0.62, 0.64, 0.66, 0.68, 0.69):
+        cells = []
+        for w in windows:
+            d, broken = ev.judge({"gemm_efficiency": g, "tie_window": w})
+            cells.append(f"{d:+.3f}" + (f" x{len(broken)}" if broken else ""))
+        lines.append(f"| {g:g} | " + " | ".join(cells) + " |")
     return lines
 
 
