@@ -428,3 +428,27 @@ def test_received_input_counted_once_only_where_the_first_layer_is_moe():
         a = {x.name: x.bytes for x in st_first.terms}
         b = {x.name: x.bytes for x in st_second.terms}
         assert b["moe_dispatcher_state"] - a["moe_dispatcher_state"] == receiving * t
+
+
+def test_pp1_single_microbatch_backward_runs_alone():
+    # combined_1f1b_schedule_for_no_pipelining (combined_1f1b.py, megatron-core 0.16.1 and 0.19.2) runs micro-batch 0's
+    # forward alone, then (backward i, forward i + 1) steps, then the last backward with f_model None: with one
+    # micro-batch its only backward has no forward layer beside it. Large experts (F 16384, top-8 of 8, s 256) so that
+    # the peak is in an MoE layer's backward: with 2 micro-batches the paired forward layer adds one MoE layer's share
+    # (moe_layer_activations / 8 layers), with 1 it does not, and the working set is the one without the overlap
+    from megatron_memguard import estimate
+    moe = ["--pipeline-model-parallel-size", "1", "--moe-ffn-hidden-size", "16384", "--moe-router-topk", "8",
+           "--seq-length", "256", "--max-position-embeddings", "256"]
+    one = estimate(_resolve(moe + ["--global-batch-size", "8"]), device="cpu").stages[0]    # DP 8: m = 1
+    two = estimate(_resolve(moe + ["--global-batch-size", "16"]), device="cpu").stages[0]   # m = 2
+    a = {x.name: x.bytes for x in one.terms}
+    b = {x.name: x.bytes for x in two.terms}
+    assert one.peak_phase.startswith("backward") and two.peak_phase.startswith("backward")
+    assert a["moe_layer_activations"] == b["moe_layer_activations"]
+    assert b["backward_transient"] - a["backward_transient"] == a["moe_layer_activations"] // 8
+    assert two.peak_allocated_bytes - one.peak_allocated_bytes == a["moe_layer_activations"] // 8
+    # the working set of the same backward without --overlap-moe-expert-parallel-comm
+    from megatron_memguard.estimator.core import _without_paired_forward
+    L = _resolve(moe + ["--global-batch-size", "8"])
+    off = estimate(_without_paired_forward(L), device="cpu").stages[0]
+    assert {x.name: x.bytes for x in off.terms}["backward_transient"] == a["backward_transient"]

@@ -956,9 +956,11 @@ def _without_paired_forward(L: Layout) -> Layout | None:
     with a forward layer only in a steady step; a cool-down backward (and every backward when the warm-up takes all
     forwards) runs its layers by themselves (megatron-core 0.16.1 and 0.19.2 model_chunk_schedule_plan.py; CPU
     referee moe_pp2_vpp2_a2a_overlap*: such backwards of a chunk without the loss peak 1.9-2.9 MiB above their start,
-    against 3.25 MiB alone and 9.78 MiB paired)."""
+    against 3.25 MiB alone and 9.78 MiB paired). Without pipelining only a single micro-batch's backward matters: it is
+    the last one, which combined_1f1b_schedule_for_no_pipelining runs with no forward model (combined_1f1b.py, 0.16.1
+    and 0.19.2); with more micro-batches the paired steps before it are larger."""
     m = L.moe
-    if m is None or not m.overlap_moe_expert_parallel_comm or L.pp == 1:
+    if m is None or not m.overlap_moe_expert_parallel_comm or L.pp == 1 and L.num_microbatches > 1:
         return None
     # ('moe' recompute stays off: the combined schedule never runs the checkpointed MoELayer.forward)
     return replace(L, moe=replace(m, overlap_moe_expert_parallel_comm=False)).replace(
@@ -1378,6 +1380,11 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
             receiving.append(0 if first else 1)
         acts.append(_chunk_activations(L, *args))
         chunk_args.append(args)
+    if L.pp == 1 and L.num_microbatches == 1 and L.moe is not None and L.moe.overlap_moe_expert_parallel_comm:
+        # the combined schedule's only backward runs alone (_without_paired_forward): its working set without the
+        # paired forward layer's
+        alone = _chunk_activations(_without_paired_forward(L), *chunk_args[0])
+        acts = [replace(acts[0], bwd_top_extra=alone.bwd_top_extra, bwd_bottom_extra=alone.bwd_bottom_extra)]
     widened = 1 + depths
     stage_runs = tuple(runs_of)
     ft = None
