@@ -385,7 +385,8 @@ def test_referee_after_step_schedule_tensors():
 
 
 @pytest.mark.parametrize("config,m", [("moe_pp2_vpp2_a2a_overlap", 4), ("moe_pp2_vpp2_a2a_overlap_mb6", 6),
-                                      ("moe_pp2_vpp2_a2a_overlap_mb2", 2)])
+                                      ("moe_pp2_vpp2_a2a_overlap_mb2", 2), ("moe_pp2_vpp2_l2_a2a_overlap", 4),
+                                      ("moe_pp2_vpp2_l2_mixed_a2a_overlap", 4)])
 def test_referee_combined_schedule_pass_by_pass(config, m):
     """benchmarks/results/referee-moe-combined-passes.json (moe_grid --pass-trace, core 0.16.1): the live bytes at every
     call of combined_1f1b_schedule_for_interleaved_pipelining in the second iteration, PP 2 x VPP 2 with 4, 6 and 2
@@ -411,6 +412,37 @@ def test_referee_combined_schedule_pass_by_pass(config, m):
         top = max(x["predicted"] for x in rows)
         assert top == est.stages[r["pp_rank"]].peak_allocated_bytes      # the estimate's own walk, pass for pass
         assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.04, r["rank"]
+
+
+@pytest.mark.parametrize("config", ["moe_pp2_vpp2_l2_a2a_overlap", "moe_pp2_vpp2_l2_mixed_a2a_overlap"])
+def test_referee_combined_steps_of_two_layer_chunks(config):
+    """2-layer chunks (8 layers, PP 2 x VPP 2, 4 micro-batches; all MoE, or each chunk a dense then an MoE layer):
+    TransformerModelChunkSchedulePlan.run pairs forward layer i with backward layer n - 1 - i (model_chunk_schedule_plan.py,
+    megatron-core 0.16.1), so a step holds the backward's remaining layers and the forward's layers made so far, about one
+    layer more than the backward alone whichever i: memguard's backward-then-forward walk with one paired layer's working
+    set. Every steady step (a call with a backward and a forward) lies within the two DP ranks' measured peaks at that
+    call, widened by 0.5% (the DP ranks route differently: up to 8 MiB apart at the same step), and after the step
+    each rank holds memguard's persistent bytes within 1 KiB (scalars: Adam's step counters, the 8 routers' bookkeeping)."""
+    from benchmarks.referee.combined_passes import compare_rank
+    from benchmarks.referee.grids.dense import resolve_config
+    from benchmarks.referee.grids.moe import MOE_GRID
+    from megatron_memguard import estimate
+    got = _stored("referee-moe-combined-passes.json", config)
+    cfg = next(c for c in MOE_GRID if c["name"] == config)
+    est = estimate(resolve_config(cfg["flags"], cfg["world_size"])[0], profile="local", device="cpu")
+    by_stage: dict = {}
+    for r in got["ranks"]:
+        by_stage.setdefault(r["pp_rank"], []).append(compare_rank(got, r))
+        assert 0 <= r["live_bytes_after_step"] - est.stages[r["pp_rank"]].persistent_bytes < 1024, r["rank"]
+    steps = 0
+    for a, b in by_stage.values():
+        for x, y in zip(a, b):
+            if x["f"] is None or x["b"] is None:
+                continue
+            steps += 1
+            lo, hi = sorted((x["measured_peak"], y["measured_peak"]))
+            assert lo * 0.995 <= x["predicted"] <= hi * 1.005, (x["f"], x["b"], lo, hi, x["predicted"])
+    assert steps == 3 + 5                # steady steps: 3 on the first stage (warm-up 5 of 8), 5 on the last
 
 
 def test_received_input_counted_once_only_where_the_first_layer_is_moe():
