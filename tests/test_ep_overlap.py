@@ -385,7 +385,8 @@ def test_referee_after_step_schedule_tensors():
 
 
 @pytest.mark.parametrize("config,m", [("moe_pp2_vpp2_a2a_overlap", 4), ("moe_pp2_vpp2_a2a_overlap_mb6", 6),
-                                      ("moe_pp2_vpp2_a2a_overlap_mb2", 2)])
+                                      ("moe_pp2_vpp2_a2a_overlap_mb2", 2), ("moe_pp2_vpp2_l2_a2a_overlap", 4),
+                                      ("moe_pp2_vpp2_l2_mixed_a2a_overlap", 4)])
 def test_referee_combined_schedule_pass_by_pass(config, m):
     """benchmarks/results/referee-moe-combined-passes.json (moe_grid --pass-trace, core 0.16.1): the live bytes at every
     call of combined_1f1b_schedule_for_interleaved_pipelining in the second iteration, PP 2 x VPP 2 with 4, 6 and 2
@@ -413,6 +414,37 @@ def test_referee_combined_schedule_pass_by_pass(config, m):
         assert abs(top / max(x["measured_peak"] for x in rows) - 1) <= 0.04, r["rank"]
 
 
+@pytest.mark.parametrize("config", ["moe_pp2_vpp2_l2_a2a_overlap", "moe_pp2_vpp2_l2_mixed_a2a_overlap"])
+def test_referee_combined_steps_of_two_layer_chunks(config):
+    """2-layer chunks (8 layers, PP 2 x VPP 2, 4 micro-batches; all MoE, or each chunk a dense then an MoE layer):
+    TransformerModelChunkSchedulePlan.run pairs forward layer i with backward layer n - 1 - i (model_chunk_schedule_plan.py,
+    megatron-core 0.16.1), so a step holds the backward's remaining layers and the forward's layers made so far, about one
+    layer more than the backward alone whichever i: memguard's backward-then-forward walk with one paired layer's working
+    set. Every steady step (a call with a backward and a forward) lies within the two DP ranks' measured peaks at that
+    call, widened by 0.5% (the DP ranks route differently: up to 8 MiB apart at the same step), and after the step
+    each rank holds memguard's persistent bytes within 1 KiB (scalars: Adam's step counters, the 8 routers' bookkeeping)."""
+    from benchmarks.referee.combined_passes import compare_rank
+    from benchmarks.referee.grids.dense import resolve_config
+    from benchmarks.referee.grids.moe import MOE_GRID
+    from megatron_memguard import estimate
+    got = _stored("referee-moe-combined-passes.json", config)
+    cfg = next(c for c in MOE_GRID if c["name"] == config)
+    est = estimate(resolve_config(cfg["flags"], cfg["world_size"])[0], profile="local", device="cpu")
+    by_stage: dict = {}
+    for r in got["ranks"]:
+        by_stage.setdefault(r["pp_rank"], []).append(compare_rank(got, r))
+        assert 0 <= r["live_bytes_after_step"] - est.stages[r["pp_rank"]].persistent_bytes < 1024, r["rank"]
+    steps = 0
+    for a, b in by_stage.values():
+        for x, y in zip(a, b):
+            if x["f"] is None or x["b"] is None:
+                continue
+            steps += 1
+            lo, hi = sorted((x["measured_peak"], y["measured_peak"]))
+            assert lo * 0.995 <= x["predicted"] <= hi * 1.005, (x["f"], x["b"], lo, hi, x["predicted"])
+    assert steps == 3 + 5                # steady steps: 3 on the first stage (warm-up 5 of 8), 5 on the last
+
+
 def test_received_input_counted_once_only_where_the_first_layer_is_moe():
     # 8 layers, PP 2 x VPP 2 (2 layers a chunk), every other layer MoE: the MoE layer first in each chunk ([1, 0] x 4)
     # or second ([0, 1] x 4), so each chunk has one MoE layer either way. Only where it is first is its held input
@@ -428,3 +460,27 @@ def test_received_input_counted_once_only_where_the_first_layer_is_moe():
         a = {x.name: x.bytes for x in st_first.terms}
         b = {x.name: x.bytes for x in st_second.terms}
         assert b["moe_dispatcher_state"] - a["moe_dispatcher_state"] == receiving * t
+
+
+def test_pp1_single_microbatch_backward_runs_alone():
+    # combined_1f1b_schedule_for_no_pipelining (combined_1f1b.py, megatron-core 0.16.1 and 0.19.2) runs micro-batch 0's
+    # forward alone, then (backward i, forward i + 1) steps, then the last backward with f_model None: with one
+    # micro-batch its only backward has no forward layer beside it. Large experts (F 16384, top-8 of 8, s 256) so that
+    # the peak is in an MoE layer's backward: with 2 micro-batches the paired forward layer adds one MoE layer's share
+    # (moe_layer_activations / 8 layers), with 1 it does not, and the working set is the one without the overlap
+    from megatron_memguard import estimate
+    moe = ["--pipeline-model-parallel-size", "1", "--moe-ffn-hidden-size", "16384", "--moe-router-topk", "8",
+           "--seq-length", "256", "--max-position-embeddings", "256"]
+    one = estimate(_resolve(moe + ["--global-batch-size", "8"]), device="cpu").stages[0]    # DP 8: m = 1
+    two = estimate(_resolve(moe + ["--global-batch-size", "16"]), device="cpu").stages[0]   # m = 2
+    a = {x.name: x.bytes for x in one.terms}
+    b = {x.name: x.bytes for x in two.terms}
+    assert one.peak_phase.startswith("backward") and two.peak_phase.startswith("backward")
+    assert a["moe_layer_activations"] == b["moe_layer_activations"]
+    assert b["backward_transient"] - a["backward_transient"] == a["moe_layer_activations"] // 8
+    assert two.peak_allocated_bytes - one.peak_allocated_bytes == a["moe_layer_activations"] // 8
+    # the working set of the same backward without --overlap-moe-expert-parallel-comm
+    from megatron_memguard.estimator.core import _without_paired_forward
+    L = _resolve(moe + ["--global-batch-size", "8"])
+    off = estimate(_without_paired_forward(L), device="cpu").stages[0]
+    assert {x.name: x.bytes for x in off.terms}["backward_transient"] == a["backward_transient"]

@@ -196,3 +196,18 @@ def test_mtp_outside_the_last_virtual_stage_and_split_mtp_refused():
         with pytest.raises((ConfigError, ConfigErrors)) as e:
             _layout(_job(layout, pp, mtp), "0.19")
         assert rule in str(e.value) and "--pipeline-model-parallel-layout" in str(e.value), (layout, str(e.value))
+
+
+def test_rotary_table_per_chunk_after_the_mtp_stage():
+    # 'Et|t|t|t|tm|L', PP 2 x VPP 3, D = 1: only the loss chunk 5 (rank 1's last) comes after the MTP chunk 4 (rank 0's
+    # last; Megatron keeps MTP layers in a rank's last virtual stage) and takes the (1 + D)-fold input. Each chunk is a
+    # GPTModel with its own RotaryEmbedding whose forward's lru_cache is keyed on the instance (rotary_pos_embedding.py;
+    # the MTP block takes its GPTModel's table, MultiTokenPredictionBlock.forward; megatron-core 0.16.1 and 0.19.2):
+    # rank 1 keeps s + s + 2 s rows (two chunks of input s), not one table per input length (s + 2 s); rank 0 three
+    # tables of s rows. fp32, rotary dim = kv_channels 16.
+    for era in ("0.16", "0.19"):
+        L = layout_from_flags(list(_job("Et|t|t|t|tm|L", 2, 1).flags), world_size=2, megatron_version=era)
+        assert [after_mtp(L, r, v) for r in (0, 1) for v in (0, 1, 2)] == [False] * 5 + [True]
+        est = estimate(L, device="cpu")
+        assert est.stages[0].breakdown["rotary_cache"] == 3 * SEQ * KV * 4
+        assert est.stages[1].breakdown["rotary_cache"] == (1 + 1 + 2) * SEQ * KV * 4

@@ -779,14 +779,14 @@ BufferRow = tuple[str, int, str, str, str]
 
 @lru_cache(maxsize=1024)
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
-                        received: int | None = None, input_folds: frozenset = frozenset({1}),
+                        received: int | None = None, input_folds: tuple[int, ...] = (),
                         moe_first_received: int = 0) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer);
     ``mtp_here``: it runs the MTP block (None: the last stage); ``received``: the activations its receiving chunks
     get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each); ``input_folds``: the
-    lengths of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage);
+    length of each of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage; (): 1 each);
     ``moe_first_received``: its receiving chunks whose received input is the input of an MoE layer whose dispatcher
     keeps that input under the combined 1F1B schedule (_moe_buffers).
 
@@ -831,18 +831,16 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
     rotary = mixer_recipe(uniform).rotary_cache(L, layers)
-    if rotary and mixer == MIXER_ATTENTION and input_folds != {1}:
-        # GPTModel's table is as long as the chunk's input (RotaryEmbedding.get_rotary_seq_len reads
-        # transformer.input_tensor.size(0), megatron-core 0.16.1 and 0.19.2): (1 + D) s after a standalone MTP
-        # stage; forward's lru_cache keeps one table per length
-        n = sum(input_folds)
-        rotary = (rotary[0] * n, rotary[1] + f", one table per input length ({', '.join(f'{k} s' for k in sorted(input_folds))})")
-    elif rotary and mixer == MIXER_ATTENTION and len(stage_runs) > 1:
+    folds = input_folds or (1,) * len(stage_runs)
+    if rotary and mixer == MIXER_ATTENTION and sum(folds) > 1:
         # each model chunk is a GPTModel with its own RotaryEmbedding, whose forward's lru_cache is keyed on the
         # instance too (models/common/embeddings/rotary_pos_embedding.py, megatron-core 0.16.1 and 0.19.2): one table
-        # per chunk under VPP (CPU referee moe_pp2_vpp2_a2a_overlap: two [s, 32] fp32 tables per rank after the step)
-        n = len(stage_runs)
-        rotary = (rotary[0] * n, rotary[1] + f", one per model chunk ({n})")
+        # per chunk under VPP (CPU referee moe_pp2_vpp2_a2a_overlap: two [s, 32] fp32 tables per rank after the step),
+        # as long as the chunk's input (get_rotary_seq_len reads transformer.input_tensor.size(0)): (1 + D) s after a
+        # standalone MTP stage. The MTP block makes none of its own: GPTModel hands it the chunk's table
+        # (MultiTokenPredictionBlock.forward's rotary_pos_emb, 0.16.1 and 0.19.2)
+        rotary = (rotary[0] * sum(folds), rotary[1] + f", one per model chunk ({len(folds)})"
+                  + (f" of inputs {', '.join(f'{k} s' for k in folds)}" if set(folds) != {1} else ""))
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
     return tuple(rows)
@@ -956,9 +954,11 @@ def _without_paired_forward(L: Layout) -> Layout | None:
     with a forward layer only in a steady step; a cool-down backward (and every backward when the warm-up takes all
     forwards) runs its layers by themselves (megatron-core 0.16.1 and 0.19.2 model_chunk_schedule_plan.py; CPU
     referee moe_pp2_vpp2_a2a_overlap*: such backwards of a chunk without the loss peak 1.9-2.9 MiB above their start,
-    against 3.25 MiB alone and 9.78 MiB paired)."""
+    against 3.25 MiB alone and 9.78 MiB paired). Without pipelining only a single micro-batch's backward matters: it is
+    the last one, which combined_1f1b_schedule_for_no_pipelining runs with no forward model (combined_1f1b.py, 0.16.1
+    and 0.19.2); with more micro-batches the paired steps before it are larger."""
     m = L.moe
-    if m is None or not m.overlap_moe_expert_parallel_comm or L.pp == 1:
+    if m is None or not m.overlap_moe_expert_parallel_comm or L.pp == 1 and L.num_microbatches > 1:
         return None
     # ('moe' recompute stays off: the combined schedule never runs the checkpointed MoELayer.forward)
     return replace(L, moe=replace(m, overlap_moe_expert_parallel_comm=False)).replace(
@@ -1378,6 +1378,11 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
             receiving.append(0 if first else 1)
         acts.append(_chunk_activations(L, *args))
         chunk_args.append(args)
+    if L.pp == 1 and L.num_microbatches == 1 and L.moe is not None and L.moe.overlap_moe_expert_parallel_comm:
+        # the combined schedule's only backward runs alone (_without_paired_forward): its working set without the
+        # paired forward layer's
+        alone = _chunk_activations(_without_paired_forward(L), *chunk_args[0])
+        acts = [replace(acts[0], bwd_top_extra=alone.bwd_top_extra, bwd_bottom_extra=alone.bwd_bottom_extra)]
     widened = 1 + depths
     stage_runs = tuple(runs_of)
     ft = None
@@ -1435,7 +1440,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_terms, step_terms = tuple(state_terms), tuple(step_terms)
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(map(bool, receiving)), stage_runs, mtp_here,
-                                      sum(receiving), frozenset([max(1, r) for r in receiving]),
+                                      sum(receiving), tuple([max(1, r) for r in receiving]),
                                       _moe_first_received(L, receiving, stage_runs))
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.

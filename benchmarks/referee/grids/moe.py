@@ -118,6 +118,17 @@ MOE_GRID: List[Dict[str, Any]] = [
          ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
           "--global-batch-size", "8"],
          note="the same with 2 micro-batches: the warm-up takes every forward, every backward runs alone"),
+    _moe("moe_pp2_vpp2_l2_a2a_overlap", 4,
+         ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"],
+         ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+          "--global-batch-size", "16"],
+         note="combined 1F1B under PP2 x VPP2 with 2-layer chunks (8 layers, 4 micro-batches): the layers' overlap order"),
+    _moe("moe_pp2_vpp2_l2_mixed_a2a_overlap", 4,
+         ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm", "--moe-layer-freq",
+          "([0,1]*4)"],
+         ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+          "--global-batch-size", "16"],
+         note="the same with each chunk a dense layer then an MoE layer (--moe-layer-freq)"),
     # (stored in benchmarks/results/referee-moe-combined-vpp.json, not referee-moe-measured.json: moe_check.py's hand
     # rows skip the combined schedule under PP, and tests/test_referee_moe_check.py wants every stored rank checked)
     _moe("moe_dp4_ep2_distopt", 4, ["--moe-token-dispatcher-type", "alltoall"],
