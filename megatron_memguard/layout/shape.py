@@ -40,6 +40,11 @@ class ModelShape:
     rope_type: str = "yarn"         # MLA's own rotary embedding (rope | yarn)
     mtp_num_layers: int = 0         # multi-token prediction depths, on the last stage (0: none)
     attention_output_gate: bool = False   # a sigmoid gate per query head on the attention output (linear_qkv makes it)
+    # an RMSNorm / LayerNorm (TENorm) on linear_proj's and linear_fc2's outputs: Megatron-Bridge's
+    # TERowParallelLinearLayerNorm in Gemma 3's layer spec (models/common/te_layers.py, gemma3_provider.py)
+    post_proj_norms: bool = False
+    # Gemma3RotaryEmbedding: a local and a global rotary table, each cached, and their cached stack
+    local_global_rope: bool = False
     # --heterogeneous-layers-config-path: each layer's blocks as "mixer/mlp" words joined by commas
     # (resolve/heterogeneous.py: attention | attention:GROUPS | none | linear, dense | dense:FFN | none | linear | moe);
     # None: every layer alike

@@ -125,21 +125,23 @@ def _number(v: Any) -> Any:
 GEMMA2_WHAT = ("Gemma 2's attention logit softcapping and final logit softcapping (Megatron-Bridge's "
                "Gemma2FlexDotProductAttention, FlexAttention or an unfused fallback keeping the [b, a, s, s] scores, and "
                "Gemma2OutputLayer, models/gemma/gemma2_provider.py)")
-# Gemma 3 (Megatron-Bridge 0.6.2 models/gemma/gemma3_provider.py; NeMo 2's Gemma3Config builds the same layers):
-# gemma3_layer_spec is a GPT layer whose linear_proj and linear_fc2 are TERowParallelLinearLayerNorm
-# (models/common/te_layers.py), an RMSNorm on each projection's output. Those two norms per layer add two [h]
-# weights and save their [s, b, h] inputs for backward, terms memguard does not have. The rest changes no saved
-# tensor: the sliding window is TE's window_size (the same q, k, v, output and softmax statistics), the embedding
-# scale multiplies by a constant, and the two rotary caches are [s, 1, 1, d] each.
-GEMMA3_WHAT = ("Gemma 3's post-attention and post-MLP RMSNorms (Megatron-Bridge's TERowParallelLinearLayerNorm in "
-               "gemma3_layer_spec: two more [h] weights per layer, each saving its [s, b, h] input for backward; "
-               "models/gemma/gemma3_provider.py)")
+# Gemma 3 (Megatron-Bridge 0.6.2 models/gemma/gemma3_provider.py): gemma3_layer_spec is a GPT layer whose linear_proj
+# and linear_fc2 are TERowParallelLinearLayerNorm (models/common/te_layers.py), an RMSNorm on each projection's
+# output, and Gemma3RotaryEmbedding caches a local and a global rotary table: the Bridge reader sets
+# ``post_proj_norms`` and ``local_global_rope`` for them (estimator/activations.py post_proj_norm_items). The rest
+# changes no saved tensor: the sliding window is TE's window_size (the same q, k, v, output and softmax statistics)
+# and the embedding scale multiplies by a constant. NeMo 2's Gemma3Config is not read: its layer spec was not checked
+# against Bridge's.
+GEMMA3_WHAT = ("NeMo 2's Gemma 3 (Gemma3Config: memguard estimates Gemma 3 from a Megatron-Bridge config, whose "
+               "gemma3_layer_spec it models; NeMo 2's layer spec is not checked against it)")
+GEMMA3_VL_WHAT = ("Gemma 3 VL's vision encoder and image-aware attention bias (Megatron-Bridge's "
+                  "models/gemma_vl/gemma3_vl_provider.py)")
 # Gemma 4 (models/gemma/gemma4_provider.py, modeling_gemma4.py): layers of its own beyond Gemma 3's post-norms.
 GEMMA4_WHAT = ("Gemma 4's own layers (Megatron-Bridge's modeling_gemma4.py: per-layer embeddings and key/value "
                "shared across layers in the dense models, global-attention heads of another width, a custom MoE "
                "forward, post-attention RMSNorms and Gemma4OutputLayer's final logit softcapping)")
 # the model classes / layer specs (last dotted part) whose modules memguard does not model, by class-name prefix
-_GEMMA_WHAT = {"Gemma2": GEMMA2_WHAT, "Gemma3": GEMMA3_WHAT, "Gemma4": GEMMA4_WHAT}
+_GEMMA_WHAT = {"Gemma2": GEMMA2_WHAT, "Gemma3VL": GEMMA3_VL_WHAT, "Gemma3": GEMMA3_WHAT, "Gemma4": GEMMA4_WHAT}
 _GEMMA_SPECS = {"gemma2_layer_spec": GEMMA2_WHAT, "gemma3_layer_spec": GEMMA3_WHAT,
                 "get_gemma4_layer_spec": GEMMA4_WHAT, "_gemma4_block_spec": GEMMA4_WHAT}
 SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
