@@ -188,8 +188,9 @@ def post_proj_norm_items(L: Layout, mods: set | frozenset = frozenset()) -> dict
     row-parallel linear's output, reduce-scattered to [s/TP, b, h] under sequence parallelism and all-reduced to
     [s, b, h] without (TE's Linear, TE 2.11 / 2.20.2 module/linear.py): T tokens either way. TE's RMSNorm /
     LayerNorm op saves its input and the fp32 rstd (and mean) per token (TE 2.11 / 2.20.2
-    ``ops/basic/rmsnorm.py`` / ``layernorm.py`` op_forward: ``ctx.save_for_backward(x, rstdevs)``); the input is
-    the linear's BF16 output (the norm's output feeds the residual add, no FP8 GEMM). 'mlp' recompute
+    ``ops/basic/rmsnorm.py`` op_forward: ``ctx.save_for_backward(x, rstdevs)``; ``layer_norm.py``: ``x, means,
+    rstdevs``); the input is the linear's BF16 output, and the standalone op has no next op to quantize for
+    (``next_op_input_quantizer`` None): its output feeds the residual add in BF16 under FP8 too. 'mlp' recompute
     checkpoints the whole MLP, linear_fc2 and its norm with it."""
     x = shapes(L)
     items = {"post_attn_norm_input": x.T * x.h * x.e, "post_attn_norm_stats": _norm_stats(L, x.T)}
