@@ -595,7 +595,7 @@ def test_a_real_gemma2_run_config_is_refused_by_name(recipes, tmp_path):
 def test_a_real_gemma3_run_config_is_estimated_and_gemma4_refused_by_name(recipes, tmp_path):
     """Bridge's Gemma3ModelProvider builds a GPT layer whose linear_proj and linear_fc2 carry an RMSNorm on their
     output (TERowParallelLinearLayerNorm) and a rotary embedding of two tables: its run_config.yaml dump and the
-    container object are read with both (post_proj_norms, local_global_rope) and estimated. Gemma 4's providers build
+    container object are read with both (post_proj_norms, rotary_tables 4) and estimated. Gemma 4's providers build
     layers of their own (and default final_logit_softcapping to 30.0): refused naming Gemma 4, not as Gemma 2's
     softcapping. (The TE stand-in builds no Transformer Engine layer: the model itself is not built here.)"""
     import dataclasses
@@ -607,7 +607,8 @@ def test_a_real_gemma3_run_config_is_estimated_and_gemma4_refused_by_name(recipe
     from megatron_memguard import estimate
     from megatron_memguard.bridge import raw_config
     from megatron_memguard.errors import NotModelledError
-    from megatron_memguard.readers.bridge import GEMMA3_FIELDS, model_known_fields
+    from megatron_memguard.readers._common import GEMMA3_FIELDS
+    from megatron_memguard.readers.bridge import model_known_fields
     from megatron_memguard.readers.detect import read_config_file
     from megatron_memguard.resolve import resolve
 
@@ -627,7 +628,7 @@ def test_a_real_gemma3_run_config_is_estimated_and_gemma4_refused_by_name(recipe
     cfg.to_yaml(str(path))
     for read in (lambda: read_config_file(str(path)), lambda: raw_config(cfg)):
         raw = read()
-        assert raw.args["post_proj_norms"] is True and raw.args["local_global_rope"] is True
+        assert raw.args["post_proj_norms"] is True and raw.args["rotary_tables"] == 4
         assert raw.args["window_size"] == [511, 0]   # Gemma3TEDotProductAttention's local window
         L = resolve(raw, world_size=1)
         assert L.post_proj_norms and L.qk_layernorm and L.normalization == "RMSNorm"

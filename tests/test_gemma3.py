@@ -32,7 +32,7 @@ def _layout(name: str, *extra: str, post: bool = True, seq: int = 4096, world: i
                            "--make-vocab-size-divisible-by", "64", "--transformer-impl", "transformer_engine",
                            *extra], world_size=world)
     # the published vocabulary as is (a multiple of 64: no padding)
-    return L.replace(post_proj_norms=post, local_global_rope=post, vocab_size=v, padded_vocab_size=v)
+    return L.replace(post_proj_norms=post, rotary_tables=4 if post else 1, vocab_size=v, padded_vocab_size=v)
 
 
 # Gemma 3 Technical Report (arXiv 2503.19786), Table 1: non-embedding parameters in millions
@@ -105,8 +105,8 @@ def test_the_backward_holds_the_norms_input_gradient():
 
 
 def test_two_rotary_tables_and_their_stack():
-    # Gemma3RotaryEmbedding: the global table, the local one (each RotaryEmbedding.forward, lru_cache, megatron-core
-    # 0.19.2) and their torch.stack (_forward_cached): 4 x [4096, 1, 1, 128] fp32 = 8 MiB for the 27B model
+    # Bridge's Gemma3RotaryEmbedding: the global table, the local one (each RotaryEmbedding.forward, lru_cache,
+    # megatron-core 0.19.2) and their torch.stack (_forward_cached): 4 x [4096, 1, 1, 128] fp32 = 8 MiB for the 27B
     assert attention.rotary_cache(_layout("27b"), 62)[0] == 4 * 4096 * 128 * 4
     assert attention.rotary_cache(_layout("27b", post=False), 62)[0] == 4096 * 128 * 4
 
@@ -129,3 +129,13 @@ def test_the_layer_specs_rules(flags, message):
     raw.args["post_proj_norms"] = True
     with pytest.raises(ConfigError, match=message):
         resolve(raw, world_size=1)
+
+
+def test_attn_proj_offloading_takes_the_post_attention_norm_input():
+    # megatron-core 0.19.2 attention.py: the 'attn_proj' group wraps the linear_proj call, inside which
+    # TERowParallelLinearLayerNorm runs its norm: the norm's bf16 input [4096, 5376] (44,040,192 B) leaves with it;
+    # its fp32 rstd (4,096 elements) is below the 1,048,576-element minimum and stays
+    from megatron_memguard.estimator.offload_activations import layer_groups
+    on, off = (layer_groups(layer_activations(x).saved, ("attn_proj",), 2) for x in (_layout("27b"),
+                                                                                    _layout("27b", post=False)))
+    assert on["attn_proj"] - off["attn_proj"] == 4096 * 5376 * 2

@@ -480,7 +480,7 @@ def test_a_softcapping_key_under_gpt_provider_is_skipped_as_bridge_skips_it(tmp_
 
 # Gemma 3 (Megatron-Bridge 0.6.2 models/gemma/gemma3_provider.py): gemma3_layer_spec's linear_proj and linear_fc2 are
 # TERowParallelLinearLayerNorm (models/common/te_layers.py), an RMSNorm on each projection's output, and the provider's
-# Gemma3RotaryEmbedding caches two tables: read as post_proj_norms / local_global_rope. Gemma 3 VL and Gemma 4
+# Gemma3RotaryEmbedding caches two tables and their stack: read as post_proj_norms / rotary_tables 4. Gemma 3 VL and Gemma 4
 # (gemma4_provider.py, modeling_gemma4.py) have layers of their own; Gemma 4's final_logit_softcapping field
 # (default 30.0) is one of them, so its refusal names Gemma 4, not Gemma 2's softcapping.
 _GEMMA = "megatron.bridge.models.gemma."
@@ -491,16 +491,16 @@ _G3_FIELDS = ("  window_size: 512\n  interleaved_attn_pattern:\n  - 5\n  - 1\n  
 
 
 @pytest.mark.parametrize("target, extra, post, rope", [
-    (_G3, _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec") + _G3_FIELDS, True, True),
-    (_G3, _G3_FIELDS, True, True),      # the provider's default spec is gemma3_layer_spec
+    (_G3, _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec") + _G3_FIELDS, True, 4),
+    (_G3, _G3_FIELDS, True, 4),      # the provider's default spec is gemma3_layer_spec
     # a GPT provider given Gemma 3's layer spec builds Gemma 3's layers, with megatron-core's one rotary table
     ("megatron.bridge.models.gpt_provider.GPTModelProvider",
-     _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec"), True, False),
+     _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec"), True, 1),
 ])
 def test_a_gemma3_model_is_read_with_its_post_norms(tmp_path, target, extra, post, rope):
     text = FLAT.replace("megatron.bridge.models.gpt_provider.GPTModelProvider", target, 1)
     raw = read(tmp_path, text.replace("  bf16: true\n", "  bf16: true\n" + extra, 1))
-    assert raw.args["post_proj_norms"] is post and raw.args.get("local_global_rope", False) is rope
+    assert raw.args["post_proj_norms"] is post and raw.args.get("rotary_tables", 1) == rope
     # Gemma3ModelProvider's own fields are known (no warning); a local layer's window is (window_size - 1, 0)
     assert not any(w.startswith(("model.interleaved_attn_pattern", "model.is_vision_language"))
                    for w in raw.warnings)

@@ -217,7 +217,7 @@ def _post_proj_norms(a: Args, kw: Mapping[str, Any], mla: bool) -> dict[str, Any
                    "Gemma3SelfAttention)")
         if a.get("num_experts"):
             a.fail("num_experts", "is not part of Gemma 3's layer spec (gemma3_layer_spec builds a dense MLP)")
-    return dict(post_proj_norms=post, local_global_rope=a.bool_arg("local_global_rope", False))
+    return dict(post_proj_norms=post, rotary_tables=a.int_arg("rotary_tables", 1, minimum=1))
 
 
 def _mla_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:

@@ -490,11 +490,12 @@ def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
     # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
     # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
     one = L.seq_length // L.cp * rot * 4
-    if getattr(L, "local_global_rope", False):
-        # Gemma3RotaryEmbedding (Megatron-Bridge 0.6.2 gemma3_provider.py): the global table (its own
-        # RotaryEmbedding.forward, lru_cache), the local one (rope_local.forward, lru_cache) and their
-        # torch.stack, cached by _forward_cached: four tables' bytes
-        return 4 * one, "cached fp32 rotary frequencies, local and global [s/CP, 1, 1, d] and their stack"
+    tables = getattr(L, "rotary_tables", 1)
+    if tables > 1:
+        # Gemma3RotaryEmbedding: the global table (its own RotaryEmbedding.forward, lru_cache) and the local one
+        # (rope_local.forward, lru_cache); Megatron-Bridge 0.6.2 (gemma3_provider.py) also caches their torch.stack
+        # (_forward_cached: 4 tables' bytes), NeMo 2.5.0 (gemma3.py) returns the two as a tuple (2)
+        return tables * one, f"cached fp32 rotary frequencies, {tables} x [s/CP, 1, 1, d] (local and global tables)"
     return one, "cached fp32 rotary frequencies [s/CP, 1, 1, d]"
 
 
