@@ -139,3 +139,11 @@ def test_attn_proj_offloading_takes_the_post_attention_norm_input():
     on, off = (layer_groups(layer_activations(x).saved, ("attn_proj",), 2) for x in (_layout("27b"),
                                                                                     _layout("27b", post=False)))
     assert on["attn_proj"] - off["attn_proj"] == 4096 * 5376 * 2
+
+
+def test_the_fujii2024_profile_refuses_the_post_norms_by_name():
+    # the paper's closed form (Fujii et al. 2024) has no term for them
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.estimator.fujii2024 import estimate_fujii2024
+    with pytest.raises(NotModelledError, match="Gemma 3's post-projection norms"):
+        estimate_fujii2024(_layout("1b"))
