@@ -592,35 +592,48 @@ def test_a_real_gemma2_run_config_is_refused_by_name(recipes, tmp_path):
         read_config_file(str(path))
 
 
-def test_a_real_gemma3_and_gemma4_run_config_is_refused_by_name(recipes, tmp_path):
+def test_a_real_gemma3_run_config_is_estimated_and_gemma4_refused_by_name(recipes, tmp_path):
     """Bridge's Gemma3ModelProvider builds a GPT layer whose linear_proj and linear_fc2 carry an RMSNorm on their
-    output (TERowParallelLinearLayerNorm), which memguard does not model; Gemma 4's providers build layers of their
-    own (and default final_logit_softcapping to 30.0). Their run_config.yaml dump and the container object are
-    refused naming Gemma 3 / Gemma 4, not read as a GPT nor refused as Gemma 2's softcapping."""
+    output (TERowParallelLinearLayerNorm) and a rotary embedding of two tables: its run_config.yaml dump and the
+    container object are read with both (post_proj_norms, rotary_tables 4) and estimated. Gemma 4's providers build
+    layers of their own (and default final_logit_softcapping to 30.0): refused naming Gemma 4, not as Gemma 2's
+    softcapping. (The TE stand-in builds no Transformer Engine layer: the model itself is not built here.)"""
+    import dataclasses
+
     from megatron.bridge.models.common.te_layers import TERowParallelLinearLayerNorm
     from megatron.bridge.models.gemma import gemma3_provider as g3
     from megatron.bridge.models.gemma import gemma4_provider as g4
 
+    from megatron_memguard import estimate
     from megatron_memguard.bridge import raw_config
     from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.readers._common import GEMMA3_FIELDS
+    from megatron_memguard.readers.bridge import model_known_fields
     from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.resolve import resolve
 
     cfg = recipes.llama32_1b_pretrain_config()
     shape = dict(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
                  kv_channels=64, vocab_size=1024, seq_length=cfg.model.seq_length)
     cfg.model = g3.Gemma3ModelProvider(**shape)
-    # what the refusal rests on, from Bridge's source: the two row-parallel projections of gemma3_layer_spec are
-    # the post-norm ones, and the provider's spec is that function
+    # what the estimate rests on, from Bridge's source: the two row-parallel projections of gemma3_layer_spec are
+    # the post-norm ones, the provider's spec is that function, and its own fields are the ones memguard reads
     layer = g3.gemma3_layer_spec(cfg.model).submodules
     assert layer.self_attention.submodules.linear_proj is TERowParallelLinearLayerNorm
     assert layer.mlp.submodules.linear_fc2 is TERowParallelLinearLayerNorm
     assert cfg.model.transformer_layer_spec is g3.gemma3_layer_spec
+    own = {f.name for f in dataclasses.fields(cfg.model)} - model_known_fields()
+    assert own - {"rotary_base", "window_size", "softmax_scale", "scatter_embedding_sequence_parallel"} <= GEMMA3_FIELDS
     path = tmp_path / "run_config.yaml"
     cfg.to_yaml(str(path))
     for read in (lambda: read_config_file(str(path)), lambda: raw_config(cfg)):
-        with pytest.raises(NotModelledError, match=r"^model\.transformer_layer_spec: Gemma 3's post-attention and "
-                                                   r"post-MLP RMSNorms \(Megatron-Bridge's TERowParallelLinearLayerNorm"):
-            read()
+        raw = read()
+        assert raw.args["post_proj_norms"] is True and raw.args["rotary_tables"] == 4
+        assert raw.args["window_size"] == [511, 0]   # Gemma3TEDotProductAttention's local window
+        L = resolve(raw, world_size=1)
+        assert L.post_proj_norms and L.qk_layernorm and L.normalization == "RMSNorm"
+        terms = {t.name for s in estimate(L).stages for t in s.terms}
+        assert "rotary_cache" in terms
     for provider in (g4.Gemma4DenseProvider, g4.Gemma4ModelProvider):
         cfg.model = provider(**shape)
         assert cfg.model.final_logit_softcapping == 30.0

@@ -479,29 +479,46 @@ def test_a_softcapping_key_under_gpt_provider_is_skipped_as_bridge_skips_it(tmp_
 
 
 # Gemma 3 (Megatron-Bridge 0.6.2 models/gemma/gemma3_provider.py): gemma3_layer_spec's linear_proj and linear_fc2 are
-# TERowParallelLinearLayerNorm (models/common/te_layers.py), an RMSNorm on each projection's output memguard does not
-# model. Gemma 4 (gemma4_provider.py, modeling_gemma4.py) has layers of its own; its final_logit_softcapping field
+# TERowParallelLinearLayerNorm (models/common/te_layers.py), an RMSNorm on each projection's output, and the provider's
+# Gemma3RotaryEmbedding caches two tables and their stack: read as post_proj_norms / rotary_tables 4. Gemma 3 VL and Gemma 4
+# (gemma4_provider.py, modeling_gemma4.py) have layers of their own; Gemma 4's final_logit_softcapping field
 # (default 30.0) is one of them, so its refusal names Gemma 4, not Gemma 2's softcapping.
 _GEMMA = "megatron.bridge.models.gemma."
 _SPEC = "  transformer_layer_spec:\n    _target_: {}\n    _call_: false\n"
+_G3 = _GEMMA + "gemma3_provider.Gemma3ModelProvider"
+_G3_FIELDS = ("  window_size: 512\n  interleaved_attn_pattern:\n  - 5\n  - 1\n  is_vision_language: false\n"
+              "  rotary_base:\n  - 10000\n  - 1000000\n")
+
+
+@pytest.mark.parametrize("target, extra, post, rope", [
+    (_G3, _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec") + _G3_FIELDS, True, 4),
+    (_G3, _G3_FIELDS, True, 4),      # the provider's default spec is gemma3_layer_spec
+    # a GPT provider given Gemma 3's layer spec builds Gemma 3's layers, with megatron-core's one rotary table
+    ("megatron.bridge.models.gpt_provider.GPTModelProvider",
+     _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec"), True, 1),
+])
+def test_a_gemma3_model_is_read_with_its_post_norms(tmp_path, target, extra, post, rope):
+    text = FLAT.replace("megatron.bridge.models.gpt_provider.GPTModelProvider", target, 1)
+    raw = read(tmp_path, text.replace("  bf16: true\n", "  bf16: true\n" + extra, 1))
+    assert raw.args["post_proj_norms"] is post and raw.args.get("rotary_tables", 1) == rope
+    # Gemma3ModelProvider's own fields are known (no warning); a local layer's window is (window_size - 1, 0)
+    assert not any(w.startswith(("model.interleaved_attn_pattern", "model.is_vision_language"))
+                   for w in raw.warnings)
+    if target == _G3:
+        assert raw.args["window_size"] == [511, 0]
 
 
 @pytest.mark.parametrize("target, extra, key, what", [
-    (_GEMMA + "gemma3_provider.Gemma3ModelProvider", _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec"),
-     "model.transformer_layer_spec", "Gemma 3's post-attention and post-MLP RMSNorms"),
-    (_GEMMA + "gemma3_provider.Gemma3ModelProvider", "", "model._target_", "Gemma 3's post-attention"),
+    (_G3, "  is_vision_language: true\n", "model.is_vision_language", "Gemma 3 VL's vision encoder"),
     ("megatron.bridge.models.gemma_vl.gemma3_vl_provider.Gemma3VLModelProvider", "", "model._target_",
-     "Gemma 3's post-attention"),
-    # a GPT provider given Gemma 3's layer spec builds Gemma 3's layers
-    ("megatron.bridge.models.gpt_provider.GPTModelProvider",
-     _SPEC.format(_GEMMA + "gemma3_provider.gemma3_layer_spec"), "model.transformer_layer_spec", "Gemma 3's post"),
+     "Gemma 3 VL's vision encoder"),
     (_GEMMA + "gemma4_provider.Gemma4DenseProvider", "  final_logit_softcapping: 30.0\n", "model._target_",
      "Gemma 4's own layers"),
     (_GEMMA + "gemma4_provider.Gemma4ModelProvider", "  final_logit_softcapping: 30.0\n  transformer_layer_spec:\n"
      "    _target_: " + _GEMMA + "modeling_gemma4._gemma4_block_spec\n    _partial_: true\n",
      "model.transformer_layer_spec", "Gemma 4's own layers"),
 ])
-def test_a_gemma3_or_gemma4_model_is_refused_naming_the_key(tmp_path, target, extra, key, what):
+def test_a_gemma3_vl_or_gemma4_model_is_refused_naming_the_key(tmp_path, target, extra, key, what):
     text = FLAT.replace("megatron.bridge.models.gpt_provider.GPTModelProvider", target, 1)
     with pytest.raises(NotModelledError, match=rf"^{key}: {what}"):
         read(tmp_path, text.replace("  bf16: true\n", "  bf16: true\n" + extra, 1))
@@ -516,8 +533,7 @@ def test_gemma_1_stays_a_gpt(tmp_path):
 
 
 @pytest.mark.parametrize("recipe, what", [
-    ("gemma3_1b_pretrain_1gpu_h100_bf16_config", "Gemma 3's post-attention and post-MLP RMSNorms"),
-    ("gemma3_vl_4b_sft_1gpu_h100_bf16_config", "vision-language models .*Gemma 3's post-attention"),
+    ("gemma3_vl_4b_sft_1gpu_h100_bf16_config", "vision-language models .*gemma3_vl_provider.py"),
     ("gemma4_e4b_pretrain_2gpu_h100_bf16_config", "Gemma 4's own layers"),
     ("gemma4_vl_26b_sft_8gpu_h100_bf16_config", "vision-language models .*Gemma 4's own layers"),
 ])
@@ -528,6 +544,16 @@ def test_the_gemma3_and_gemma4_recipes_are_refused_for_the_same_reason_as_their_
     with pytest.raises(NotModelledError, match=rf"^--model: the Megatron-Bridge recipe '{recipe}' \({what}.*; its "
                        r"run_config.yaml dump is refused for the same reason\)"):
         read_model(recipe)
+
+
+def test_a_gemma3_recipe_points_to_its_run_config():
+    # its layers are modelled, its values not bundled: the dump can be read (above)
+    from megatron_memguard.readers.models import read_model
+
+    with pytest.raises(NotModelledError, match=r"^--model: the Megatron-Bridge recipe "
+                       r"'gemma3_1b_pretrain_1gpu_h100_bf16_config' \(a Gemma 3 recipe memguard has no entry for .*; its "
+                       r"run_config.yaml dump can be read with --config\)"):
+        read_model("gemma3_1b_pretrain_1gpu_h100_bf16_config")
 
 
 def test_the_gemma2_recipes_are_refused_for_the_same_reason_as_their_dump():

@@ -284,10 +284,10 @@ def test_nemo2_gemma2_softcapping_is_refused_by_name(tmp_path, target, extra, ke
 @pytest.mark.parametrize("target", ["nemo.collections.llm.gpt.model.gemma3.Gemma3Config1B",
                                     "nemo.collections.llm.gpt.model.gemma3.Gemma3Config27B"])
 def test_nemo2_gemma3_is_refused_by_its_class(tmp_path, target):
-    # NeMo 2's Gemma3Config builds the post-attention and post-MLP RMSNorms Bridge's Gemma3ModelProvider does
-    # (TERowParallelLinearLayerNorm): refused by the class, as the Bridge dump is by its provider
+    # NeMo 2.5.0's Gemma3Config (llm/gpt/model/gemma3.py) builds the layers memguard estimates for Bridge's Gemma 3,
+    # but its class defaults (shape, norms, bias) are not bundled: refused by the class, pointing to Bridge
     from megatron_memguard.errors import NotModelledError
 
     text = QWEN3_30B_A3B_EXPORT.replace("nemo.collections.llm.gpt.model.qwen3.Qwen3Config30B_A3B", target, 1)
-    with pytest.raises(NotModelledError, match=r"^model\.config\._target_: Gemma 3's post-attention and post-MLP"):
+    with pytest.raises(NotModelledError, match=r"^model\.config\._target_: NeMo 2's Gemma3Config \(.*give the Bridge run_config.yaml\)"):
         read(tmp_path, text)

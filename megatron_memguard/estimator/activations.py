@@ -30,7 +30,7 @@ from itertools import repeat
 
 from ..layout import Layout
 from ..layout.layout import _derived
-from ..partition import MIXER_DSA, MIXER_NONE, MLP_MOE, MLP_NONE, LayerKind, uniform_kind
+from ..partition import MIXER_ATTENTION, MIXER_DSA, MIXER_NONE, MLP_DENSE, MLP_MOE, MLP_NONE, LayerKind, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import _cp_attention_items, _te_keeps_every_cp_step, attention_items, attention_kind  # noqa: F401
 from .layers.base import Shapes, Step, shapes  # noqa: F401
@@ -151,6 +151,11 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
         mlp_bwd, mixer_bwd = _quantized_grad_outputs(L, kind, mlp_bwd, mixer_bwd)
         mixer_bwd = _requantized_proj_input(L, kind, mixer_bwd)
         mixer_bwd = _requantized_down_proj_input(L, kind, mods, mixer_bwd)
+    if _has_post_proj_norms(L, kind):
+        post = post_proj_norm_items(L, mods)
+        saved.update(post)
+        fwd_steps, mlp_bwd, mixer_bwd = _post_proj_norm_steps(L, kind, mods, post, fwd_steps, mlp_bwd, mixer_bwd,
+                                                              after, G)
     norm2_step = () if no_mlp else (
         (rel_fc1, G + Tf * h * e + T * h * e + (T * h * e if drop_norm2 else 0)),                 # pre-MLP norm
     )
@@ -166,6 +171,56 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
     if kind.quantized:
         saved, fwd_steps, bwd_steps = _quantized(L, kind, saved, fwd_steps, bwd_steps)
     return LayerActivations(saved=saved, fwd_steps=fwd_steps, bwd_steps=bwd_steps)
+
+
+def _has_post_proj_norms(L: Layout, kind: LayerKind) -> bool:
+    """Gemma 3's layer spec: a standard attention and dense MLP layer with TERowParallelLinearLayerNorm."""
+    return getattr(L, "post_proj_norms", False) and kind.mixer == MIXER_ATTENTION and kind.mlp == MLP_DENSE
+
+
+POST_ATTN_NORM = frozenset({"post_attn_norm_input", "post_attn_norm_stats"})
+POST_MLP_NORM = frozenset({"post_mlp_norm_input", "post_mlp_norm_stats"})
+
+
+def post_proj_norm_items(L: Layout, mods: set | frozenset = frozenset()) -> dict[str, int]:
+    """What Gemma 3's two post-projection norms keep per micro-batch (Megatron-Bridge 0.6.2
+    TERowParallelLinearLayerNorm: a TENorm on linear_proj's and linear_fc2's outputs). Each norm runs on the
+    row-parallel linear's output, reduce-scattered to [s/TP, b, h] under sequence parallelism and all-reduced to
+    [s, b, h] without (TE's Linear, TE 2.11 / 2.20.2 module/linear.py): T tokens either way. TE's RMSNorm /
+    LayerNorm op saves its input and the fp32 rstd (and mean) per token (TE 2.11 / 2.20.2
+    ``ops/basic/rmsnorm.py`` op_forward: ``ctx.save_for_backward(x, rstdevs)``; ``layer_norm.py``: ``x, means,
+    rstdevs``); the input is the linear's BF16 output, and the standalone op has no next op to quantize for
+    (``next_op_input_quantizer`` None): its output feeds the residual add in BF16 under FP8 too. 'mlp' recompute
+    checkpoints the whole MLP, linear_fc2 and its norm with it."""
+    x = shapes(L)
+    items = {"post_attn_norm_input": x.T * x.h * x.e, "post_attn_norm_stats": _norm_stats(L, x.T)}
+    if "mlp" not in mods:
+        items.update(post_mlp_norm_input=x.T * x.h * x.e, post_mlp_norm_stats=_norm_stats(L, x.T))
+    return items
+
+
+def _post_proj_norm_steps(L: Layout, kind: LayerKind, mods: set, post: dict[str, int], fwd_steps: tuple,
+                          mlp_bwd: tuple, mixer_bwd: tuple, after: frozenset, G: int) -> tuple[tuple, tuple, tuple]:
+    """The steps of the two post-projection norms. Forward: each norm's [T, h] output beside its saved input
+    (the post-attention one before any MLP tensor exists). Backward: each norm's input gradient [T, h] beside the
+    layer's output gradient G (the residual's, still alive) -- the first step of the MLP's backward and of the
+    mixer's; that gradient then stays until linear_fc2's / linear_proj's backward (their first step) consumes it.
+    With 'mlp' recompute the checkpoint's re-forward has remade the MLP's tensors and the norm's saved ones when
+    the norm's backward runs."""
+    x = shapes(L)
+    out = x.T * x.h * x.e
+    fwd_steps = ((after | POST_MLP_NORM, out), (frozenset(), out)) + fwd_steps
+    remade = 0
+    if "mlp" in mods:
+        full = mlp_recipe(kind).activations(L, set(mods) - {"mlp"}, G).saved
+        remade = sum(full.values()) + sum(post_proj_norm_items(L).values()) - sum(post.values())
+    first_mlp = ((frozenset(), G + out + remade),)
+    mlp_bwd = first_mlp + tuple((n | POST_MLP_NORM, w + (out if i == 0 else 0)) for i, (n, w) in enumerate(mlp_bwd))
+    if mixer_bwd:
+        rel = mixer_bwd[0][0] | POST_MLP_NORM
+        mixer_bwd = ((rel, G + out),) + tuple((n | POST_MLP_NORM | POST_ATTN_NORM, w + (out if i == 0 else 0))
+                                               for i, (n, w) in enumerate(mixer_bwd))
+    return fwd_steps, mlp_bwd, mixer_bwd
 
 
 def _moe_pre_mlp_norm_recomputed(L: Layout) -> bool:

@@ -70,6 +70,7 @@ def estimate_fujii2024(layout: Layout, gpu: GpuSpec | None = None, gpu_memory: i
     for on, what in ((layout.optimizer not in ("adam", "sgd"), f"the {layout.optimizer} optimizer"),
                      (layout.mtp_num_layers and layout.pp == 1, "multi-token prediction"),
                      (layout.attention_output_gate, "the attention output gate"),
+                     (getattr(layout, "post_proj_norms", False), "Gemma 3's post-projection norms"),
                      (layout.cuda_graph_impl != "none", "CUDA graphs"),
                      (layout.cpu_offloading_num_layers or layout.fine_grained_activation_offloading,
                       "activation offloading")):

@@ -163,6 +163,8 @@ _GROUP_OF = {
     "fp8_attention_qkv": "core_attn", "fp8_attention_output": "core_attn",            # (FP8 attention's)
     "cp_a2a_attention_output": "core_attn", "cp_a2a_qkv": "core_attn",               # (the CP all-to-all's)
     "proj_input": "attn_proj",
+    # Gemma 3's post-attention norm runs inside linear_proj's call (TERowParallelLinearLayerNorm.forward)
+    "post_attn_norm_input": "attn_proj",
     # unfused (local / 'unfused' backend) attention: the softmax output and dropout mask, saved inside
     # the core_attn call (attention.py, core 0.19.2: the whole core_attention call is in the group)
     "attention_probs": "core_attn",

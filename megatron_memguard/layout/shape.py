@@ -40,6 +40,12 @@ class ModelShape:
     rope_type: str = "yarn"         # MLA's own rotary embedding (rope | yarn)
     mtp_num_layers: int = 0         # multi-token prediction depths, on the last stage (0: none)
     attention_output_gate: bool = False   # a sigmoid gate per query head on the attention output (linear_qkv makes it)
+    # an RMSNorm / LayerNorm (TENorm) on linear_proj's and linear_fc2's outputs: Megatron-Bridge's
+    # TERowParallelLinearLayerNorm in Gemma 3's layer spec (models/common/te_layers.py, gemma3_provider.py)
+    post_proj_norms: bool = False
+    # [s/CP, 1, 1, d] fp32 rotary tables the rotary embedding keeps cached: 1 (megatron-core's); Gemma 3's local and
+    # global ones: 2 (NeMo 2), 4 with their cached torch.stack (Megatron-Bridge)
+    rotary_tables: int = 1
     # --heterogeneous-layers-config-path: each layer's blocks as "mixer/mlp" words joined by commas
     # (resolve/heterogeneous.py: attention | attention:GROUPS | none | linear, dense | dense:FFN | none | linear | moe);
     # None: every layer alike

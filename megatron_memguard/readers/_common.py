@@ -125,35 +125,52 @@ def _number(v: Any) -> Any:
 GEMMA2_WHAT = ("Gemma 2's attention logit softcapping and final logit softcapping (Megatron-Bridge's "
                "Gemma2FlexDotProductAttention, FlexAttention or an unfused fallback keeping the [b, a, s, s] scores, and "
                "Gemma2OutputLayer, models/gemma/gemma2_provider.py)")
-# Gemma 3 (Megatron-Bridge 0.6.2 models/gemma/gemma3_provider.py; NeMo 2's Gemma3Config builds the same layers):
-# gemma3_layer_spec is a GPT layer whose linear_proj and linear_fc2 are TERowParallelLinearLayerNorm
-# (models/common/te_layers.py), an RMSNorm on each projection's output. Those two norms per layer add two [h]
-# weights and save their [s, b, h] inputs for backward, terms memguard does not have. The rest changes no saved
-# tensor: the sliding window is TE's window_size (the same q, k, v, output and softmax statistics), the embedding
-# scale multiplies by a constant, and the two rotary caches are [s, 1, 1, d] each.
-GEMMA3_WHAT = ("Gemma 3's post-attention and post-MLP RMSNorms (Megatron-Bridge's TERowParallelLinearLayerNorm in "
-               "gemma3_layer_spec: two more [h] weights per layer, each saving its [s, b, h] input for backward; "
-               "models/gemma/gemma3_provider.py)")
+# Gemma 3 (Megatron-Bridge 0.6.2 models/gemma/gemma3_provider.py, NeMo 2.5.0 llm/gpt/model/gemma3.py): gemma3_layer_spec
+# is a GPT layer whose linear_proj and linear_fc2 are TERowParallelLinearLayerNorm (Bridge's models/common/te_layers.py,
+# NeMo's gemma2.py), a TENorm on each projection's output, and Gemma3RotaryEmbedding caches a local and a global
+# rotary table: the readers set ``post_proj_norms`` and ``rotary_tables`` for them (estimator/activations.py
+# post_proj_norm_items). The rest changes no saved tensor: the sliding window is TE's window_size (the same q, k, v,
+# output and softmax statistics) and the embedding scale multiplies by a constant.
+# NeMo 2.5.0's Gemma3Config builds the same layers (its gemma3_layer_spec, TERowParallelLinearLayerNorm from gemma2.py;
+# Gemma3RotaryEmbedding returns the two cached tables as a tuple), but its class defaults (shape, RMSNorm, QK norm,
+# no bias, gated MLP) are not bundled: an export naming only the class would be read as a plain GPTConfig
+GEMMA3_NEMO2_WHAT = ("NeMo 2's Gemma3Config (its layers are the Gemma 3 layers memguard estimates from a Megatron-Bridge "
+                     "config, but the class's defaults are not bundled; give the Bridge run_config.yaml)")
+GEMMA3_VL_WHAT = ("Gemma 3 VL's vision encoder and image-aware attention bias (Megatron-Bridge's "
+                  "models/gemma_vl/gemma3_vl_provider.py)")
+# Gemma 3's own config fields (Bridge's Gemma3ModelProvider, NeMo 2's Gemma3Config) that decide no memory beyond
+# post_proj_norms / rotary_tables / window_size: the local layers' pattern, the VL switch (refused when true),
+# decode-only flash, the rope scale
+GEMMA3_FIELDS = frozenset({"interleaved_attn_pattern", "is_vision_language", "flash_decode", "rope_scaling_factor"})
+
+
+def is_gemma3_class(cls: str) -> bool:
+    """A Gemma 3 text model class (Bridge's ``Gemma3ModelProvider...``, NeMo 2's ``Gemma3Config1B``...), not VL."""
+    name = cls.strip().rsplit(".", 1)[-1]
+    return name.startswith("Gemma3") and not name.startswith("Gemma3VL")
+
+
 # Gemma 4 (models/gemma/gemma4_provider.py, modeling_gemma4.py): layers of its own beyond Gemma 3's post-norms.
 GEMMA4_WHAT = ("Gemma 4's own layers (Megatron-Bridge's modeling_gemma4.py: per-layer embeddings and key/value "
                "shared across layers in the dense models, global-attention heads of another width, a custom MoE "
                "forward, post-attention RMSNorms and Gemma4OutputLayer's final logit softcapping)")
 # the model classes / layer specs (last dotted part) whose modules memguard does not model, by class-name prefix
-_GEMMA_WHAT = {"Gemma2": GEMMA2_WHAT, "Gemma3": GEMMA3_WHAT, "Gemma4": GEMMA4_WHAT}
-_GEMMA_SPECS = {"gemma2_layer_spec": GEMMA2_WHAT, "gemma3_layer_spec": GEMMA3_WHAT,
+_GEMMA_WHAT = {"Gemma2": GEMMA2_WHAT, "Gemma3VL": GEMMA3_VL_WHAT, "Gemma4": GEMMA4_WHAT}
+_GEMMA_SPECS = {"gemma2_layer_spec": GEMMA2_WHAT,
                 "get_gemma4_layer_spec": GEMMA4_WHAT, "_gemma4_block_spec": GEMMA4_WHAT}
 SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
 def gemma_class_what(cls: str) -> str | None:
-    """Why a Gemma 2 / 3 / 4 model class (Bridge's provider, NeMo 2's config: ``...Gemma3ModelProvider``,
-    ``Gemma3Config1B``) is not modelled, else None. Gemma (1) is a GPT with a scaled embedding: not listed."""
+    """Why a Gemma 2 / 3 VL / 4 model class (Bridge's provider, NeMo 2's config: ``...Gemma4ModelProvider``,
+    ``Gemma2Config9B``) is not modelled, else None. Gemma (1) is a GPT with a scaled embedding, Gemma 3 is read
+    (is_gemma3_class): not listed."""
     name = cls.strip().rsplit(".", 1)[-1]
     return next((what for prefix, what in _GEMMA_WHAT.items() if name.startswith(prefix)), None)
 
 
 def gemma_spec_what(spec: str) -> str | None:
-    """Why a Gemma 2 / 3 / 4 layer spec (its function's name, dotted or not) is not modelled, else None."""
+    """Why a Gemma 2 / 4 layer spec (its function's name, dotted or not) is not modelled, else None."""
     return _GEMMA_SPECS.get(spec.strip().rsplit(".", 1)[-1])
 
 

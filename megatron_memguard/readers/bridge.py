@@ -646,19 +646,35 @@ def _hybrid_stack_spec(field: Field | None) -> None:
                            f"hybrid_stack_spec}}) or be null, got {shown(value)}")
 
 
-def _gemma_modules(model: Mapping[str, Field]) -> None:
-    """Refuse by name a model section that builds Gemma 2 / 3 / 4's own modules: a Gemma 3 / 4 provider (under
-    its layer spec's key where the dump names one; Gemma 4's softcapping field is not its only difference), a
-    softcapping value other than null / 0 (Bridge tests ``if softcap`` / ``if scale``), a Gemma layer spec, or a
-    Gemma2ModelProvider (whose defaults set both softcaps). The providers memguard checks have no softcapping
-    field: there Bridge skips the key (_unknown_keys warns)."""
+def _gemma_modules(b: ArgsBuilder, model: Mapping[str, Field]) -> frozenset[str]:
+    """Read Gemma 3's layers and refuse by name a model section that builds Gemma 2 / 4's (or Gemma 3 VL's) own
+    modules: a Gemma 4 / Gemma 3 VL provider (under its layer spec's key where the dump names one; Gemma 4's
+    softcapping field is not its only difference), a softcapping value other than null / 0 (Bridge tests ``if
+    softcap`` / ``if scale``), a Gemma 2 / 4 layer spec, or a Gemma2ModelProvider (whose defaults set both softcaps).
+    Gemma 3 (Gemma3ModelProvider or gemma3_layer_spec) sets ``post_proj_norms`` (the spec's
+    TERowParallelLinearLayerNorm) and, with the provider, ``rotary_tables`` 4 (its Gemma3RotaryEmbedding). The
+    providers memguard checks have no softcapping field: there Bridge skips the key (_unknown_keys warns)."""
     from ..errors import NotModelledError
+    from ._common import GEMMA3_FIELDS, GEMMA3_VL_WHAT, is_gemma3_class
 
     target, key = model.get("_target_", (None, "model._target_"))
     cls_what = gemma_class_what(target) if isinstance(target, str) else None
     spec_value, spec_key = model.get("transformer_layer_spec", (None, ""))
     spec = target_name(spec_value) if spec_value is not None else None
     spec_what = gemma_spec_what(spec) if isinstance(spec, str) else None
+    gemma3 = isinstance(target, str) and is_gemma3_class(target)
+    gemma3_spec = isinstance(spec, str) and spec.strip().rsplit(".", 1)[-1] == "gemma3_layer_spec"
+    if gemma3:
+        vl, vl_key = model.get("is_vision_language", (None, "model.is_vision_language"))
+        if bridge_truth(b, vl, vl_key) if vl is not None and not is_missing(vl) else False:
+            # Gemma3SelfAttention / Gemma3TEDotProductAttention take the VL path (no mask, an attention bias)
+            raise NotModelledError(vl_key, GEMMA3_VL_WHAT)
+    if gemma3_spec or (gemma3 and spec is None):
+        b.set("post_proj_norms", True, spec_key if gemma3_spec else key)
+    if gemma3:
+        # Gemma3RotaryEmbedding (gemma3_provider.py): the global and local tables, each cached by its
+        # RotaryEmbedding.forward, and their torch.stack cached by _forward_cached
+        b.set("rotary_tables", 4, key)
     if cls_what is not None and cls_what is not GEMMA2_WHAT:
         raise NotModelledError(spec_key if spec_what else key, spec_what or cls_what)
     if not _model_checked(model):
@@ -667,6 +683,7 @@ def _gemma_modules(model: Mapping[str, Field]) -> None:
         raise NotModelledError(spec_key, spec_what)
     if cls_what is not None:
         raise NotModelledError(key, cls_what)
+    return GEMMA3_FIELDS if gemma3 else frozenset()
 
 
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool,  # noqa: C901
@@ -708,11 +725,16 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     # Model.
     model = S.get("model", {})
     _hybrid_stack_spec(model.get("hybrid_stack_spec"))
-    _gemma_modules(model)
+    gemma_fields = _gemma_modules(b, model)
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
-    map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS,   # (checked providers: _unknown_keys)
+    map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS | gemma_fields,   # (checked providers: _unknown_keys)
                      unknown_context=None if _model_checked(model) else "megatron-core / Megatron-Bridge model",
                      bridge=True)
+    window, window_key = model.get("window_size", (None, "model.window_size"))
+    if gemma_fields and isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        # Gemma3TEDotProductAttention: a local layer's window is (window_size - 1, 0), a global one's None; the FP8
+        # attention rules (resolve/fp8.py) read the local layers' sliding window
+        b.set("window_size", [window - 1, 0], window_key)
     group_query_attention(b, model)
     if not has("model", "ffn_hidden_size") and has("model", "hidden_size"):
         default_ffn_hidden_size(b, v("model", "hidden_size"), k("model", "hidden_size"))

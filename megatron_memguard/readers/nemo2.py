@@ -22,9 +22,9 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    GEMMA2_WHAT, ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size, dtype_name,
-    emerging_optimizer, fsdp_and_offload_keys, gemma_class_what, group_query_attention, is_missing, map_mcore_fields,
-    model_fields_read, refuse_softcapping, refuse_unset, peft_module_list, refuse_unset_section_field, set_vocab,
+    GEMMA2_WHAT, GEMMA3_NEMO2_WHAT, ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size,
+    dtype_name, emerging_optimizer, fsdp_and_offload_keys, gemma_class_what, group_query_attention, is_gemma3_class,
+    is_missing, map_mcore_fields, model_fields_read, refuse_softcapping, refuse_unset, peft_module_list, refuse_unset_section_field, set_vocab,
     target_name,
     _FSDP_DDP_KEYS, _MISSING_RULE, _OFFLOAD_OPTIMIZER_KEYS,
 )
@@ -81,9 +81,9 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         b.warn(f"{ckey}: {cls} is not a class memguard knows and the file has no shape; give --model NAME")
     given = {str(name): (value, f"{ckey}.{name}") for name, value in cfg.items() if name != "_target_"}
     refuse_unset(given, model_fields_read(), model_fields_read(), "NeMo 2")   # the file's '???' / null, not the preset's
-    # Gemma3Config* (NeMo 2.5.0 llm/gpt/model/gemma3.py: the post-norms as Bridge's gemma3_layer_spec) by its class,
+    # Gemma3Config* (NeMo 2.5.0 llm/gpt/model/gemma3.py: Bridge's Gemma 3 layers, defaults not bundled) by its class,
     # before Gemma2Config's softcapping defaults (gemma2_layer_spec) by the key the file sets
-    gemma_what = gemma_class_what(cls)
+    gemma_what = GEMMA3_NEMO2_WHAT if is_gemma3_class(cls) else gemma_class_what(cls)
     if gemma_what is not None and gemma_what is not GEMMA2_WHAT:
         raise NotModelledError(f"{ckey}._target_", gemma_what)
     refuse_softcapping(given)

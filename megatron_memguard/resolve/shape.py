@@ -197,7 +197,27 @@ def attention_variant(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
     if gate and mla:
         # MLATransformerConfig.__post_init__ raises NotImplementedError (core 0.19.2)
         a.fail("attention_output_gate", "is not supported with --multi-latent-attention (MLATransformerConfig)")
-    return dict(multi_latent_attention=mla, attention_output_gate=gate, **(_mla_shape(a, kw) if mla else {}))
+    return dict(multi_latent_attention=mla, attention_output_gate=gate, **_post_proj_norms(a, kw, mla),
+                **(_mla_shape(a, kw) if mla else {}))
+
+
+def _post_proj_norms(a: Args, kw: Mapping[str, Any], mla: bool) -> dict[str, Any]:
+    """Gemma 3's layer spec (set by the Bridge reader, not a Megatron flag): TERowParallelLinearLayerNorm as linear_proj
+    and linear_fc2 of TE's dense GPT layer (Megatron-Bridge 0.6.2 gemma3_provider.py gemma3_layer_spec)."""
+    post = a.bool_arg("post_proj_norms", False)
+    if post:
+        if kw.get("add_bias_linear"):
+            # TERowParallelLinearLayerNorm.forward raises ValueError on a bias (models/common/te_layers.py)
+            a.fail("add_bias_linear", "must be off with Gemma 3's layer spec: TERowParallelLinearLayerNorm refuses a "
+                   "linear bias (Megatron-Bridge te_layers.py)", "set model.add_bias_linear false")
+        if kw.get("transformer_impl") != "transformer_engine":
+            a.fail("transformer_impl", "must be transformer_engine with Gemma 3's layer spec (its modules are TE's)")
+        if mla:
+            a.fail("multi_latent_attention", "is not part of Gemma 3's layer spec (gemma3_layer_spec builds "
+                   "Gemma3SelfAttention)")
+        if a.get("num_experts"):
+            a.fail("num_experts", "is not part of Gemma 3's layer spec (gemma3_layer_spec builds a dense MLP)")
+    return dict(post_proj_norms=post, rotary_tables=a.int_arg("rotary_tables", 1, minimum=1))
 
 
 def _mla_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,9 @@ def param_rows(L: Layout) -> list[ParamRow]:
     rows.append(("self_attention.linear_proj.weight", h * proj_in, False, False, False, proj_in))
     if L.add_bias_linear:
         rows.append(("self_attention.linear_proj.bias", h, True, False, False, 0))
+    if getattr(L, "post_proj_norms", False):
+        # TERowParallelLinearLayerNorm's post_layernorm (a TENorm child, registered after linear_proj's weight)
+        rows += norm_rows("self_attention.linear_proj.post_layernorm", h, L)
     if te:
         rows += norm_rows("self_attention.linear_qkv.layer_norm", h, L)
     rows.append(("self_attention.linear_qkv.weight", qkv * h, False, False, False, h))
@@ -61,7 +64,7 @@ def params(L: Layout, prefix: str = "") -> list[Param]:
 
 def param_count(L: Layout) -> int:
     """Parameters of one layer's attention in the whole model: input norm, linear_proj (and its bias),
-    linear_qkv (and its bias), q/k norms."""
+    linear_qkv (and its bias), q/k norms, Gemma 3's post-attention norm."""
     h, a, g, d = L.hidden_size, L.num_attention_heads, L.num_query_groups, L.kv_channels
     norm = norms_per_layer_norm(L)
     n = norm * h + h * a * d + (_gated(L) * a + 2 * g) * d * h
@@ -71,6 +74,8 @@ def param_count(L: Layout) -> int:
         n += (_gated(L) * a + 2 * g) * d
     if L.qk_layernorm:
         n += 2 * norm * d
+    if getattr(L, "post_proj_norms", False):
+        n += norm * h                 # the post-attention norm (TERowParallelLinearLayerNorm)
     return n
 
 
@@ -484,7 +489,14 @@ def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
     rot = int(L.kv_channels * L.rotary_percent)
     # RotaryEmbedding.forward (lru_cache) returns this CP rank's rows: get_pos_emb_on_this_cp_rank
     # index_selects its two s/(2 CP) chunks into a new tensor; the full table is a temporary
-    return L.seq_length // L.cp * rot * 4, "cached fp32 rotary frequencies [s/CP, 1, 1, d]"
+    one = L.seq_length // L.cp * rot * 4
+    tables = getattr(L, "rotary_tables", 1)
+    if tables > 1:
+        # Gemma3RotaryEmbedding: the global table (its own RotaryEmbedding.forward, lru_cache) and the local one
+        # (rope_local.forward, lru_cache); Megatron-Bridge 0.6.2 (gemma3_provider.py) also caches their torch.stack
+        # (_forward_cached: 4 tables' bytes), NeMo 2.5.0 (gemma3.py) returns the two as a tuple (2)
+        return tables * one, f"cached fp32 rotary frequencies, {tables} x [s/CP, 1, 1, d] (local and global tables)"
+    return one, "cached fp32 rotary frequencies [s/CP, 1, 1, d]"
 
 
 def head_dims(L: Layout) -> tuple[int, int]:

@@ -33,6 +33,9 @@ def param_rows(L: Layout) -> list[ParamRow]:
     rows.append(("mlp.linear_fc2.weight", h * fc2_in, False, False, False, fc2_in))
     if L.add_bias_linear:
         rows.append(("mlp.linear_fc2.bias", h, True, False, False, 0))
+    if getattr(L, "post_proj_norms", False):
+        # TERowParallelLinearLayerNorm's post_layernorm (Gemma 3's post-MLP norm, after linear_fc2's weight)
+        rows += norm_rows("mlp.linear_fc2.post_layernorm", h, L)
     return rows
 
 
@@ -47,6 +50,8 @@ def param_count(L: Layout) -> int:
     n = norms_per_layer_norm(L) * h + g * f * h + h * f
     if L.add_bias_linear:
         n += g * f + h
+    if getattr(L, "post_proj_norms", False):
+        n += norms_per_layer_norm(L) * h   # Gemma 3's post-MLP norm (TERowParallelLinearLayerNorm)
     return n
 
 
