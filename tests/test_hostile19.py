@@ -88,3 +88,25 @@ def test_simple_commands_reads_runs_of_substitutions_in_one_step(monkeypatch, li
 def test_simple_commands_still_drops_the_digits_of_a_redirection():
     # bash: '2>&1' redirects fd 2; 'x12>f' is the word 'x' with fd 12 redirected (the digits right before the operator)
     assert shell.simple_commands("run x12>f --a 1 2>&1 | tee log") == ["run x --a 1", "tee log"]
+
+
+# -- part 2: the hostile19 round ---------------------------------------------------------------------------------------
+def test_calibrate_refuses_a_run_named_twice_before_reading_any(monkeypatch):
+    # one log named 1,000 times: each was read, resolved and its GPU inferred before calibrate() found the names alike
+    # (5,000 names: over 60 s); the names are compared first now, and the count of each name in one pass
+    from fuzz_util import MEGATRON_LOG, run_memguard
+    from megatron_memguard.calibrate import runs
+    reads = [0]
+    orig = runs._megatron_run
+
+    def counted(*a, **k):
+        reads[0] += 1
+        return orig(*a, **k)
+    monkeypatch.setattr(runs, "_megatron_run", counted)
+    o = run_memguard(["calibrate", "a.log", *["r.log"] * 1_000, "--gpu", "H100-80GB"], {"r.log": MEGATRON_LOG,
+                                                                                         "a.log": MEGATRON_LOG})
+    assert o.code == 2 and not o.problems, o.describe()
+    assert o.err.strip() == "memguard: error: two runs have the same name: r.log", o.err
+    assert reads[0] == 0
+    o = run_memguard(["calibrate", "d", "d"], {"d/r.log": MEGATRON_LOG})
+    assert o.err.strip() == "memguard: error: two runs have the same name: d" and reads[0] == 0, o.err
