@@ -110,3 +110,30 @@ def test_calibrate_refuses_a_run_named_twice_before_reading_any(monkeypatch):
     assert reads[0] == 0
     o = run_memguard(["calibrate", "d", "d"], {"d/r.log": MEGATRON_LOG})
     assert o.err.strip() == "memguard: error: two runs have the same name: d" and reads[0] == 0, o.err
+
+
+def test_arithmetic_of_many_terms_is_tokenised_without_copying_the_rest_per_token(monkeypatch):
+    # $((1+1+...+1)) of 450,001 terms in 900 kB: the tokenizer copied the rest of the text for each token (14 s of
+    # CPU); it stops at memguard's bound of 10,000 terms, read as far as the term past the bound
+    from megatron_memguard.readers import shell_arith
+    counted = _Counting(shell_arith._TOKEN)
+    monkeypatch.setattr(shell_arith, "_TOKEN", counted)
+    with pytest.raises(shell_arith.ArithmeticUnfollowed, match="more than 10,000 terms"):
+        shell_arith.evaluate("1+" * 450_000 + "1", {})
+    assert counted.calls == 10_001, counted.calls
+    # (bash: 2,001 ones summed is 2,001; its 4,001 terms are within the bound)
+    assert shell_arith.evaluate("+".join(["1"] * 2_001), {}) == 2_001
+
+
+@pytest.mark.parametrize("expr, value", [
+    # C's precedence and left associativity (bash(1), ARITHMETIC EVALUATION), worked by hand
+    ("1 + 2 * 3", 7), ("10 - 4 - 3", 3), ("2 ** 3 ** 2", 512), ("100 / 10 / 5", 2), ("1 << 2 + 1", 8),
+    ("7 & 3 | 8", 11), ("1 || 0 && 0", 1), ("-7 / 2", -3), ("-7 % 3", -1), ("(1 + 2) * 3", 9), ("2 < 3 == 1", 1),
+    ("!0 + ~0", 0), ("GPUS * NODES", 16), ("$GPUS * ${NODES} / 4", 4),
+])
+def test_arithmetic_keeps_bashs_precedence(expr, value):
+    # (the evaluator climbs precedences now, one call per operand: it took a call per level, ten, per number, and
+    # 150,000 $((1)) on a line 2.6-2.8 s of CPU)
+    from megatron_memguard.readers.shell_arith import evaluate
+    assert evaluate(expr, {"GPUS": "8", "NODES": "2"}) == value
+

@@ -870,9 +870,9 @@ def logical_lines(text: str, starts: list[int] | None = None) -> list[str]:
 
 
 # Runs simple_commands adds whole: outside $( ) / ${ } none of \ ' " ` $ < > & ; | and no digit (a redirection drops
-# the digits before it, one by one), a '$' opening nothing and whole $( ) / ${ } with none of \ ' " ` $ ( ) { } in them;
+# the digits before it, one by one), a '$' opening nothing and whole $( ) / $(( )) / ${ } with none of \ ' " ` $ ( ) { } in them;
 # inside, none of \ ' " ` ) } (counting the $( ( ${ { it opens); in quotes, none that ends them
-_COMMAND_RUN = re.compile(r"""(?:[^\\'"`$<>&;|0-9]+|\$(?![({])|\$\{[^\\'"`$(){}]*\}|\$\([^\\'"`$(){}]*\))+""")
+_COMMAND_RUN = re.compile(r"""(?:[^\\'"`$<>&;|0-9]+|\$(?![({])|\$\{[^\\'"`$(){}]*\}|\$\((?:\([^\\'"`$(){}]*\)|[^\\'"`$(){}]*)\))+""")
 _SUB_RUN = re.compile(r"[^\\'\"`)}]+")
 _QUOTE_RUN = {"'": re.compile(r"[^']+"), '"': re.compile(r'[^"\\]+'), "`": re.compile(r"[^`]+")}
 
