@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile16, hostile17, hostile18)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile17, hostile18, hostile19)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -43,7 +43,9 @@ files, UTF-16 / UTF-32 / Latin-1 files at every config, log and profile argument
 iteration and memory lines, site profiles with hostile time constants, schemas and GPUs in every command, damaged runtime
 JSONL, plan --explain with other options, NeMo / Bridge overrides holding command substitutions and MEMGUARD_* variables
 (issue hostile17); memguard plan on 8 and 64 GPUs with hostile --tp-comm-overlap-cfg and
---heterogeneous-layers-config-path files, which every candidate layout resolves (issue hostile18). Prints, per command, the number of runs, how many broke the
+--heterogeneous-layers-config-path files, which every candidate layout resolves (issue hostile18); 950 kB lines of braced defaults,
+substitutions and arithmetic, calibrate over many or repeated runs and extreme step times, plan's option lists of
+1,024 values, plan of 10,000-layer hybrid models, interleaved runtime JSONL and YAML merge keys (issue hostile19). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -2129,12 +2131,13 @@ def hostile19_cases():
     # -- part 1: the reader's slowest line classes -----------------------------------------------------------------
     for unit in ("${A:-x}", "${A:=x}", "${A+x}", "${A-x}", "${A}", "${A:-}", '"${A:-x}"', "${A:-x y}", "$(x)", "$((1))",
                  "$(${A:-x}", "${A:-$(}", "$(" * 3 + ")" * 3):
-        yield f"check 950 kB of {unit}", ["check", "--file", "run.sh"], {
+        yield f"check 900 kB of {unit}", ["check", "--file", "run.sh"], {
             "run.sh": LAUNCH + "X=" + unit * (900_000 // len(unit)) + "\n"}
-    yield "check 950 kB of ${A:-x} as an argument", ["check", "--file", "run.sh"], {
+    yield "check 840 kB of ${A:-x} as an argument", ["check", "--file", "run.sh"], {
         "run.sh": LAUNCH.rstrip("\n").replace("| tee log.txt", "--save-x ") + "${A:-x}" * 120_000 + " | tee log.txt\n"}
-    yield "check 950 kB of ( in quotes", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "X='" + "(" * 900_000 + "'\n"}
-    yield "check 950 kB of unclosed ( lines", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "(\n" * 450_000}
+    yield "check 900 kB of ( in quotes", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "X='" + "(" * 900_000 + "'\n"}
+    yield "check 900 kB of unclosed ( lines", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "(\n" * 450_000}
+    yield "check $((1+1+...)) of 900 kB", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "X=$((" + "1+" * 450_000 + "1))\n"}
     # -- memguard calibrate over many runs and odd run lists -----------------------------------------------------
     s_ = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
           "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16 --train-iters 100").split()
@@ -2168,8 +2171,8 @@ def hostile19_cases():
     yield "calibrate runs on three GPU types --fit gemm_efficiency", ["calibrate", *mixed, "--fit", "gemm_efficiency"], mixed
     yield "calibrate a run naming two GPUs", ["calibrate", "r0.log", "r1.log", "r2.log"], {
         "r0.log": smi[0] + smi[1] + one, "r1.log": one, "r2.log": one}
-    long = {f"r{i}.log": mlog(8 * (i + 1), its("1200.0", 3_000)) for i in range(3)}
-    yield "calibrate 3 runs of 3,000 iteration lines", [*calib, *long], long
+    long = {f"r{i}.log": mlog(8 * (i + 1), its("1200.0", 1_000)) for i in range(3)}
+    yield "calibrate 3 runs of 1,000 iteration lines", [*calib, *long], long
     two = {"a.log": one, "b.log": one}
     yield "calibrate --min-runs 10**30", ["calibrate", *two, "--min-runs", "1" + "0" * 30], two
     yield "calibrate --fit one name 10,000 times", ["calibrate", *two, "--fit", ",".join(["gemm_efficiency"] * 10_000)], two
@@ -2204,10 +2207,10 @@ def hostile19_cases():
     # -- memguard report on runtime JSONL: ranks interleaved in one file ---------------------------------------------
     recs = [json.dumps(dict(r, rank=k, pp_rank=k % 4)) for r in RUNLOG[:4] for k in range(8)]
     yield "report JSONL of 8 ranks interleaved in one file", ["report", "."], {"memguard-rank00000.jsonl": "\n".join(recs) + "\n"}
-    many = [json.dumps(dict(RUNLOG[1], rank=k % 4096, iteration=10 * (k // 4096 + 1))) for k in range(4_096 * 2)]
-    yield "report JSONL of 4,096 ranks interleaved, no start", ["report", "."], {"memguard-rank00000.jsonl": "\n".join(many) + "\n"}
-    start = [json.dumps(dict(RUNLOG[0], rank=k)) for k in range(3_000)]
-    yield "report JSONL of 3,000 start records interleaved with samples", ["report", "."], {
+    many = [json.dumps(dict(RUNLOG[1], rank=k % 1024, iteration=10 * (k // 1024 + 1))) for k in range(1_024 * 2)]
+    yield "report JSONL of 1,024 ranks interleaved, no start", ["report", "."], {"memguard-rank00000.jsonl": "\n".join(many) + "\n"}
+    start = [json.dumps(dict(RUNLOG[0], rank=k)) for k in range(1_024)]
+    yield "report JSONL of 1,024 start records interleaved with samples", ["report", "."], {
         "memguard-rank00000.jsonl": "\n".join(x for pair in zip(start, many) for x in pair) + "\n"}
     # -- NeMo / Bridge YAML: merge keys over anchors ------------------------------------------------------------------
     nemo = dict((n, t) for n, t, _ in YAML_SEEDS)["nemo1_llama.yaml"]
