@@ -40,6 +40,7 @@ _LEVELS: list[dict[str, Callable[[int, int], int]]] = [
     {"*": lambda a, b: a * b, "/": lambda a, b: _div(a, b), "%": lambda a, b: _mod(a, b)},
 ]
 
+_DECIMAL = re.compile(r"\s*([1-9][0-9]{0,17}|0)\s*\Z")
 _DOLLAR_NAME = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 _LEVEL_OF = {op: k for k, ops in enumerate(_LEVELS) for op in ops}
 _BLANK_END = re.compile(r"\s*\Z")
@@ -58,6 +59,9 @@ def _mod(a: int, b: int) -> int:
 
 def evaluate(expr: str, vars: Mapping[str, object]) -> int:
     """The value of ``expr`` (the text between ``$((`` and ``))``, ``$NAME`` already expanded or not)."""
+    m = _DECIMAL.match(expr)
+    if m:                                 # $((8)): a decimal number below 2**63 is its own value (no wrap, no octal)
+        return int(m.group(1))
     toks: list[str] = []
     i = 0
     # $NAME and ${NAME} inside $(( )) are NAME; other $ forms ($1, $(cmd)) are not evaluated
