@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile16, hostile17, hostile18)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile17, hostile18, hostile19)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -43,7 +43,9 @@ files, UTF-16 / UTF-32 / Latin-1 files at every config, log and profile argument
 iteration and memory lines, site profiles with hostile time constants, schemas and GPUs in every command, damaged runtime
 JSONL, plan --explain with other options, NeMo / Bridge overrides holding command substitutions and MEMGUARD_* variables
 (issue hostile17); memguard plan on 8 and 64 GPUs with hostile --tp-comm-overlap-cfg and
---heterogeneous-layers-config-path files, which every candidate layout resolves (issue hostile18). Prints, per command, the number of runs, how many broke the
+--heterogeneous-layers-config-path files, which every candidate layout resolves (issue hostile18); 950 kB lines of braced defaults,
+substitutions and arithmetic, calibrate over many or repeated runs and extreme step times, plan's option lists of
+1,024 values, plan of 10,000-layer hybrid models, interleaved runtime JSONL and YAML merge keys (issue hostile19). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -2117,6 +2119,113 @@ def hostile18_cases():
                                                                       "--tp-comm-overlap-cfg", "ub.yaml"], {"ub.yaml": text}
 
 
+def hostile19_cases():
+    """Issue hostile19: the slowest --quick inputs' classes (a line of 950 kB of braced defaults or substitutions in each
+    form bash reads), memguard calibrate over many runs, one run named thousands of times, step times from 1e-300 to
+    1e300 ms, runs naming other GPUs, thousands of iteration lines and option lists; memguard plan with option lists of
+    1,024 values, 2**60, primes and 2**20 GPUs, --rule with --explain; plan of hybrid models of 10,000 layers ('E-', 'ME',
+    '|' segments) and hostile Mamba shapes; report on runtime JSONL with ranks interleaved in one file; NeMo / Bridge
+    YAML with merge keys over anchors."""
+    from megatron_logs import args_of, print_args, report_memory
+    from test_calibrate_time import iteration_line
+    # -- part 1: the reader's slowest line classes -----------------------------------------------------------------
+    for unit in ("${A:-x}", "${A:=x}", "${A+x}", "${A-x}", "${A}", "${A:-}", '"${A:-x}"', "${A:-x y}", "$(x)", "$((1))",
+                 "$(${A:-x}", "${A:-$(}", "$(" * 3 + ")" * 3):
+        yield f"check 900 kB of {unit}", ["check", "--file", "run.sh"], {
+            "run.sh": LAUNCH + "X=" + unit * (900_000 // len(unit)) + "\n"}
+    yield "check 840 kB of ${A:-x} as an argument", ["check", "--file", "run.sh"], {
+        "run.sh": LAUNCH.rstrip("\n").replace("| tee log.txt", "--save-x ") + "${A:-x}" * 120_000 + " | tee log.txt\n"}
+    yield "check 900 kB of ( in quotes", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "X='" + "(" * 900_000 + "'\n"}
+    yield "check 900 kB of unclosed ( lines", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "(\n" * 450_000}
+    yield "check $((1+1+...)) of 900 kB", ["check", "--file", "run.sh"], {"run.sh": LAUNCH + "X=$((" + "1+" * 450_000 + "1))\n"}
+    # -- memguard calibrate over many runs and odd run lists -----------------------------------------------------
+    s_ = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+          "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16 --train-iters 100").split()
+
+    def mlog(gbs: int, its: list[str], head: str = "") -> str:
+        mem = [report_memory(r, "(after 10 iterations)", 2**30, 2**31, 2**31 + 2**29, 2**31 + 2**30, device_used=2**32)
+               for r in range(8)]
+        return head + "\n".join(print_args(args_of([*s_, "--global-batch-size", str(gbs)], 8))) + "\n" + \
+            "\n".join(its) + "\n" + "\n".join(mem) + "\n"
+
+    def its(ms: str, n: int = 2) -> list[str]:
+        return [iteration_line(1, 100, 9000.0, 10.0)] + [iteration_line(10 * k, 100, 1200.0, 150.0).replace("1200.0", ms)
+                                                         for k in range(1, n + 1)]
+    one = mlog(16, its("1200.0"))
+    calib = ["calibrate", "--gpu", "H100-80GB"]
+    yield "calibrate one run named 1,000 times", [*calib, *["r.log"] * 1_000], {"r.log": one}
+    yield "calibrate one run named 100,000 times", ["calibrate", *["r.log"] * 100_000], {"r.log": one}
+    yield "calibrate a directory named 5,000 times", ["calibrate", *["d"] * 5_000], {"d/r.log": one}
+    yield "calibrate 5,000 names, the last repeated", [*calib, *[f"r{i}.log" for i in range(4_999)], "r0.log"], \
+        {f"r{i}.log": "x\n" for i in range(4_999)}
+    yield "calibrate 10 runs alike", [*calib, *[f"r{i}.log" for i in range(10)]], {f"r{i}.log": one for i in range(10)}
+    for ms in ("1e-300", "1e300", "1e-5", "1e12", "0.0001", "nan", "inf"):
+        runs = {f"r{i}.log": mlog(8 * (i + 1), its(ms)) for i in range(3)}
+        yield f"calibrate 3 runs of {ms} ms steps", [*calib, *runs], runs
+        yield f"calibrate 2 runs of {ms} ms steps and one of 1200", [*calib, *runs], {**runs, "r0.log": one}
+    smi = ["GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1)\n", "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-2)\n",
+           "GPU 0: NVIDIA B200 (UUID: GPU-3)\n"]
+    mixed = {f"r{i}.log": mlog(8 * (i + 1), its(str(1200.0 + i)), smi[i % 3]) for i in range(6)}
+    yield "calibrate runs on three GPU types", ["calibrate", *mixed], mixed
+    yield "calibrate runs on three GPU types --gpu", [*calib, *mixed], mixed
+    yield "calibrate runs on three GPU types --fit gemm_efficiency", ["calibrate", *mixed, "--fit", "gemm_efficiency"], mixed
+    yield "calibrate a run naming two GPUs", ["calibrate", "r0.log", "r1.log", "r2.log"], {
+        "r0.log": smi[0] + smi[1] + one, "r1.log": one, "r2.log": one}
+    long = {f"r{i}.log": mlog(8 * (i + 1), its("1200.0", 1_000)) for i in range(3)}
+    yield "calibrate 3 runs of 1,000 iteration lines", [*calib, *long], long
+    two = {"a.log": one, "b.log": one}
+    yield "calibrate --min-runs 10**30", ["calibrate", *two, "--min-runs", "1" + "0" * 30], two
+    yield "calibrate --fit one name 10,000 times", ["calibrate", *two, "--fit", ",".join(["gemm_efficiency"] * 10_000)], two
+    yield "calibrate --env 5,000 times", ["calibrate", *two, *[f"--env=NCCL_BUFFSIZE={i}" for i in range(5_000)]], two
+    # -- memguard plan's option lists --------------------------------------------------------------------------------
+    plan = ["plan", "--gpus", "64", "--seq-length", "512", "--global-batch-size", "64", "--model", "llama-3.2-1b"]
+    seq = ",".join(str(i) for i in range(1, 1025))
+    for opt in ("--tp", "--pp", "--cp", "--vpp", "--mbs", "--ep"):
+        for label, v in (("1..1024", seq), ("2**0..2**60", ",".join(str(2**k) for k in range(61))),
+                         ("1 100,000 times", ",".join(["1"] * 100_000)), ("empty items", ",,,1,,"), ("0", "0")):
+            yield f"plan {opt} {label}", [*plan, opt, v], {}
+    for g in ("1", "7", "999983", "720720", "1048576"):
+        yield f"plan --gpus {g} every list 1..1024", ["plan", "--gpus", g, "--seq-length", "8192", "--global-batch-size", g,
+                                                      "--tp", seq, "--pp", seq, "--cp", seq, "--mbs", seq, "--vpp", seq,
+                                                      "--model", "llama-3.2-1b"], {}
+    for rule in ("time", "fujii2024"):
+        for more in ([], ["--explain", "tp=1,pp=1,cp=1,mbs=1"], ["--rule", "fujii2024"], ["--rule", "time", "--top", "50"]):
+            yield f"plan --rule {rule} {' '.join(more)}", [*plan, "--rule", rule, *more], {}
+    # -- memguard plan of hybrid models (planner/hybrid.py) ------------------------------------------------------------
+    hplan = ["plan", "--gpus", "8", "--seq-length", "128", "--global-batch-size", "8"]
+    moe = ["--num-experts", "4", "--moe-router-topk", "2"]
+    for pat in ("E-" * 5_000, "ME" * 5_000, "E" * 1_000, "ME*G" * 100, "M-" * 500 + "|" + "*-" * 500, "M*E-G",
+                "|".join(["M*E-"] * 64)):
+        for more in ([], ["--pp", "1,2,4,8"], ["--tp", "1,2,4,8", "--cp", "1,2"], ["--explain", "tp=1,pp=1,cp=1,mbs=1"],
+                     ["--ep", "1,2,4"], ["--json"]):
+            yield f"plan hybrid {pat[:12]!r} of {len(pat)} {' '.join(more)[:30]}", [
+                *hplan, *more, "--", *HYBRID, "--hybrid-layer-pattern=" + pat, *moe], {}
+    for flag, values in (("--mamba-num-heads", ("1", "3", "1024", "65536")), ("--mamba-head-dim", ("1", "3", "4096")),
+                         ("--mamba-state-dim", ("1", "65536")), ("--mamba-chunk-size", ("1", "3", "1000000"))):
+        for v in values:
+            yield f"plan hybrid {flag} {v}", [*hplan, "--", *HYBRID, "--hybrid-layer-pattern=M*M-", flag, v], {}
+    # -- memguard report on runtime JSONL: ranks interleaved in one file ---------------------------------------------
+    recs = [json.dumps(dict(r, rank=k, pp_rank=k % 4)) for r in RUNLOG[:4] for k in range(8)]
+    yield "report JSONL of 8 ranks interleaved in one file", ["report", "."], {"memguard-rank00000.jsonl": "\n".join(recs) + "\n"}
+    many = [json.dumps(dict(RUNLOG[1], rank=k % 1024, iteration=10 * (k // 1024 + 1))) for k in range(1_024 * 2)]
+    yield "report JSONL of 1,024 ranks interleaved, no start", ["report", "."], {"memguard-rank00000.jsonl": "\n".join(many) + "\n"}
+    start = [json.dumps(dict(RUNLOG[0], rank=k)) for k in range(1_024)]
+    yield "report JSONL of 1,024 start records interleaved with samples", ["report", "."], {
+        "memguard-rank00000.jsonl": "\n".join(x for pair in zip(start, many) for x in pair) + "\n"}
+    # -- NeMo / Bridge YAML: merge keys over anchors ------------------------------------------------------------------
+    nemo = dict((n, t) for n, t, _ in YAML_SEEDS)["nemo1_llama.yaml"]
+    merge = "base: &b {num_layers: 4, hidden_size: 256}\n" + "".join(f"m{i}: &m{i} {{<<: *{'b' if i == 0 else f'm{i - 1}'}, k{i}: 1}}\n"
+                                                                    for i in range(2_000))
+    yield "validate NeMo with 2,000 chained merge keys", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": merge + nemo}
+    wide = "base: &b {" + ", ".join(f"k{i}: {i}" for i in range(5_000)) + "}\n" + "".join(f"m{i}: {{<<: *b}}\n" for i in range(5_000))
+    yield "validate NeMo with 5,000 merges of a 5,000-key anchor", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": wide + nemo}
+    yield "validate NeMo model merged from an alias bomb", ["validate", "c.yaml", "--gpus", "8"], {
+        "c.yaml": "x: &x " + alias_bomb(6, 10) + "\n" + nemo.replace("model:\n", "model:\n  <<: {bomb: *x}\n", 1)}
+    yield "estimate Bridge override merging an anchor into model", [
+        "estimate", "--model", "llama32_1b", "--gpus", "8", "--config", "o.yaml"], {
+        "o.yaml": "a: &a {tensor_model_parallel_size: 2, num_layers: 4}\nmodel:\n  <<: *a\n  <<: *a\n"}
+
+
 def main(argv: list[str]) -> int:
     import tempfile
 
@@ -2137,7 +2246,7 @@ def main(argv: list[str]) -> int:
               ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name)),
               ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases()), ("hostile16", hostile16_cases()),
               ("hostile17", hostile17_cases(tmp.name)),
-              ("hostile18", hostile18_cases())]
+              ("hostile18", hostile18_cases()), ("hostile19", hostile19_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]

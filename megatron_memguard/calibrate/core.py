@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -409,7 +410,7 @@ def calibrate(runs: Sequence[CalibrationRun], base: SiteConstants = DEFAULT_SITE
         raise MemguardError(f"--fit: unknown constant(s) {', '.join(sorted(unknown))} (known: {', '.join(SPEC)})")
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
-        raise MemguardError("two runs have the same name: " + ", ".join(sorted({n for n in names if names.count(n) > 1})))
+        raise MemguardError("two runs have the same name: " + ", ".join(sorted(n for n, k in Counter(names).items() if k > 1)))
     notes: list[str] = []
     gpus = sorted({r.gpu.name for r in runs if r.gpu is not None})
     if len(gpus) > 1:

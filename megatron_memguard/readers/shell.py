@@ -28,6 +28,9 @@ from .shell_pattern import STAR, bracket, case, glob_pieces, literal, remove, re
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
+# ${NAME} and ${NAME<op>word} with a word of no quote, expansion, escape or brace: the braced reference most scripts
+# write, read in one match (a line of 135,000 of them took a pass of the matching and the special forms each)
+_SIMPLE_BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-+=])([^\\'\"`${}]*))?\}")
 _BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[(@|\*|\d+)\])?(:?[-+=])?")
 # ${#X}, ${#A[@]}, ${#}, ${@}, ${1}, and the slices ${X:1:2}, ${A[@]:0:4}, ${@:2} (an offset is an arithmetic expression;
 # one starting with '-', '+' or '=' right after the colon is the default operator instead, as in bash)
@@ -324,6 +327,9 @@ class _Words:
         elif isinstance(value, _Default):
             if value.assign:
                 self._fields(self.default_value(value), quoted or self.quoted)
+            elif self.started and self.depth < MAX_NESTING and (not value.word or _PLAIN.fullmatch(value.word)):
+                if value.word:                          # (a plain word inside a word: what the scan below adds)
+                    self._add(value.word)
             else:  # the word is part of the command's text: scanned in place (its quotes group words)
                 saved = self.text, self.quoted, self.depth
                 self.text, self.quoted, self.depth = value.word, quoted or self.quoted, self.depth + 1
@@ -343,6 +349,18 @@ class _Words:
         None when ``$`` starts no expansion."""
         t = self.text
         if t[i + 1:i + 2] == "{":
+            m = _SIMPLE_BRACED.match(t, i)
+            if m:                                       # ${NAME}, ${NAME:-word}: what the scan below finds, at once
+                value = _lookup(self.vars.get(m.group(1)), None)
+                op = m.group(2)
+                if not op:
+                    return value, m.end()
+                unset = value is _UNSET or (op.startswith(":") and value == "")
+                if op.endswith("+"):
+                    return ("" if unset else _Default(m.group(3), None)), m.end()
+                if not unset:
+                    return value, m.end()
+                return _Default(m.group(3), m.group(1) if op.endswith("=") else None), m.end()
             end = self._matching(t, i + 1, "{", "}")
             if end is None:                             # no closing brace: a plain $
                 return None
@@ -721,6 +739,11 @@ def _match_from(t: str, i: int, open_: str, close: str, found: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 # Script text: logical lines, simple commands, #SBATCH directives (moved from launch_command.py)
 # --------------------------------------------------------------------------------------------------
+# Runs logical_lines adds whole (counting their parentheses): outside quotes none of \ ' " ` # < and newline; inside
+# quotes none that ends them
+_LINE_RUN = re.compile(r"[^\\'\"`#<\n]+")
+_PARENS = re.compile(r"[()]")
+_QUOTED_RUN = {"'": re.compile(r"[^'\n]+"), '"': re.compile(r'[^"\\\n]+'), "`": re.compile(r"[^`\n]+")}
 _HEREDOC = re.compile(r"""<<(-?)[ \t]*(?:'([^']*)'|"([^"]*)"|([^\s;&|<>()'"]+))""")
 
 
@@ -739,6 +762,11 @@ def logical_lines(text: str, starts: list[int] | None = None) -> list[str]:
     while i < n:
         c = text[i]
         if quote:
+            m = _QUOTED_RUN[quote].match(text, i)
+            if m:                   # (a run of characters that end nothing: one step, not one per character)
+                buf.append(m.group(0))
+                i = m.end()
+                continue
             if c == "\n":
                 lineno += 1
             if c == "\\" and quote == '"' and i + 1 < n:
@@ -753,6 +781,22 @@ def logical_lines(text: str, starts: list[int] | None = None) -> list[str]:
             if c == quote:
                 quote = None
             i += 1
+            continue
+        m = _LINE_RUN.match(text, i)
+        if m:                       # (characters of no meaning to the line's structure but parentheses: one step)
+            run = m.group(0)
+            if not start and run.strip(" \t\r"):
+                start = lineno
+            if ")" in run:
+                for p in _PARENS.findall(run):
+                    if p == "(":
+                        depth += 1
+                    elif depth:
+                        depth -= 1
+            else:
+                depth += run.count("(")
+            buf.append(run)
+            i = m.end()
             continue
         if not start and c not in " \t\r\n#" and not text.startswith("\\\n", i):
             start = lineno
@@ -825,6 +869,14 @@ def logical_lines(text: str, starts: list[int] | None = None) -> list[str]:
     return out
 
 
+# Runs simple_commands adds whole: outside $( ) / ${ } none of \ ' " ` $ < > & ; | and no digit (a redirection drops
+# the digits before it, one by one), a '$' opening nothing and whole $( ) / $(( )) / ${ } with none of \ ' " ` $ ( ) { } in them;
+# inside, none of \ ' " ` ) } (counting the $( ( ${ { it opens); in quotes, none that ends them
+_COMMAND_RUN = re.compile(r"""(?:[^\\'"`$<>&;|0-9]+|\$(?![({])|\$\{[^\\'"`$(){}]*\}|\$\((?:\([^\\'"`$(){}]*\)|[^\\'"`$(){}]*)\))+""")
+_SUB_RUN = re.compile(r"[^\\'\"`)}]+")
+_QUOTE_RUN = {"'": re.compile(r"[^']+"), '"': re.compile(r'[^"\\]+'), "`": re.compile(r"[^`]+")}
+
+
 def simple_commands(line: str) -> list[str]:
     """Split a logical line on unquoted ``;``, ``&&``, ``||``, ``|`` and ``&``; drop redirections
     (``> log 2>&1``, ``|& tee``...). ``$( ... )`` and quotes are kept whole."""
@@ -841,6 +893,14 @@ def simple_commands(line: str) -> list[str]:
         cur.clear()
 
     while i < n:
+        m = (_QUOTE_RUN[quote] if quote else _SUB_RUN if sub else _COMMAND_RUN).match(line, i)
+        if m:                         # (characters that separate or close nothing: one step for the run)
+            run = m.group(0)
+            if sub and not quote:
+                sub += run.count("(") + run.count("{")
+            cur.append(run)
+            i = m.end()
+            continue
         c = line[i]
         if quote:
             cur.append(c)
