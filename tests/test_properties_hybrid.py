@@ -65,6 +65,18 @@ def stage_segments(hs: HybridSpec) -> list[list[str]]:
     return [[s for i, s in enumerate(segs) if i % hs.pp == r] for r in range(hs.pp)]
 
 
+def _stage_by_hand(hs: HybridSpec, V: int, r: int, segs) -> int:
+    """Rank r's parameters on one TP rank, by hand: its segments' layers, the embedding on the first rank, the final
+    norm and the output layer on the last (a tied output a copy of the embedding when PP > 1)."""
+    h, t = hs.hidden, hs.tp
+    want = sum(layer_params(hs, sym, t) for seg in segs for sym in seg)
+    if r == 0:
+        want += V * h // t
+    if r == hs.pp - 1:
+        want += h * (1 if hs.rmsnorm else 2) + (V * h // t if hs.untied or hs.pp > 1 else 0)
+    return want
+
+
 @QUARTER
 @given(hybrid_specs(symbols="M*-E"))
 def test_hybrid_parameters_stage_by_stage_are_megatron_cores(hs):
@@ -73,16 +85,11 @@ def test_hybrid_parameters_stage_by_stage_are_megatron_cores(hs):
     per-rank count equals the hand count of megatron-core's modules / TP, and the model total (no TP split, the
     tied weight once) is the sum over the pattern (exact)."""
     L = layout(hs)
-    h, t = hs.hidden, hs.tp
+    h = hs.hidden
     V = L.padded_vocab_size
     norm = h * (1 if hs.rmsnorm else 2)
     for r, segs in enumerate(stage_segments(hs)):
-        want = sum(layer_params(hs, sym, t) for seg in segs for sym in seg)
-        if r == 0:
-            want += V * h // t
-        if r == hs.pp - 1:
-            want += norm + (V * h // t if hs.untied or hs.pp > 1 else 0)
-        assert stage_states(L, r).parameters == want, (r, segs)
+        assert stage_states(L, r).parameters == _stage_by_hand(hs, V, r, segs), (r, segs)
     total = sum(layer_params(hs, sym, 1) for sym in hs.pattern if sym != "|") + norm + V * h * (2 if hs.untied else 1)
     # a routed expert is counted once in the total: EP ranks split them (layer_params(t=1) counted E / EP)
     total += hs.pattern.count("E") * (hs.experts - hs.experts // hs.ep) * 2 * hs.moe_ffn * h
@@ -111,11 +118,8 @@ def test_hybrid_mtp_depths_stage_by_stage_are_megatron_cores(hs):
     norm = h * (1 if hs.rmsnorm else 2)
     built = 1 if hs.mtp_repeated else hs.mtp_depths
     for r, segs in enumerate(stage_segments(hs)):
-        want = sum(layer_params(hs, sym, t) for seg in segs for sym in seg)
-        if r == 0:
-            want += V * h // t
+        want = _stage_by_hand(hs, V, r, segs)
         if r == hs.pp - 1:
-            want += norm + (V * h // t if hs.untied or hs.pp > 1 else 0)
             want += built * _mtp_depth(hs, t) + (V * h // t if hs.pp > 1 else 0)
         assert stage_states(L, r).parameters == want, (r, segs)
     experts_elsewhere = (hs.experts - hs.experts // hs.ep) * 2 * hs.moe_ffn * h
