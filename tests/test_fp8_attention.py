@@ -8,6 +8,7 @@ utils.py combine_and_quantize (one Float8Tensor for q, k, v), csrc/extensions/at
 tensors M and ZInv [b, h, s, 1] fp32), dot_product_attention.py init_fp8_metadata (only per-tensor recipes);
 megatron-core fp8_utils.get_fp8_recipe (0.16.1: fp8_dpa on delayed and tensorwise; 0.19.2: also mxfp8),
 fp4_utils.get_fp4_recipe (0.19.2 passes fp8_dpa to NVFP4BlockScaling)."""
+import re
 import textwrap
 
 import pytest
@@ -167,13 +168,16 @@ def test_which_recipes_carry_it():
     assert not L.fp8_spec.fp8_dot_product_attention
     # mxfp8: 0.16.1 drops it; 0.19.2 passes it (fp8_utils.get_fp8_recipe) to TE 2.20.2, which runs MXFP8 attention
     # in cuDNN >= 9.21 on Blackwell (attention/dot_product_attention/utils.py get_attention_backend): sized without
-    # context parallelism (test_mxfp8_*), refused by name with it
+    # context parallelism (test_mxfp8_*) and under its p2p ring
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.16.1")
     assert not L.fp8_spec.fp8_dot_product_attention
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.19.2")
     assert L.fp8_spec.fp8_dot_product_attention and any("MXFP8 attention" in n and "cuDNN 9.21" in n for n in L.notes)
-    with pytest.raises(NotModelledError, match="fp8.dot.product.attention.*mxfp8 recipe with context parallelism"):
-        lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2",
+    # under CP: the p2p ring is sized (test_mxfp8_ring_*); the other CP types are refused by name
+    assert lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2",
+               fp8_dot_product_attention=True, version="0.19.2").fp8_spec.fp8_dot_product_attention
+    with pytest.raises(NotModelledError, match="cp.comm.type.*mxfp8 recipe with --cp-comm-type a2a"):
+        lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
             fp8_dot_product_attention=True, version="0.19.2")
     # nvfp4 (fp4_utils.get_fp4_recipe passes fp8_dpa, 0.19.2): TE 2.20.2 disables FusedAttention for
     # NVFP4BlockScaling and runs FP8 attention nowhere else
@@ -789,3 +793,94 @@ def test_mxfp8_multi_latent_attention_by_hand():
     col = tf // 32 * a_t * (128 + 128 + 128)
     assert got["fp8_attention_qkv"] == data + row + col
     assert got["softmax_stats"] == a_t * tf * 4 and got["proj_input"] == 2 * tf * a_t * 64
+
+
+# MXFP8 attention under the CP ring (TE 2.20.2 context_parallel.py AttnFuncWithCPAndKVP2P, fp8_recipe.mxfp8()):
+# nothing is quantized up front; each step quantizes its own q, k, v (and dO) parts. The CPU referee cannot run FP8
+# (no Blackwell GPU, no cuDNN): every number below is by hand from the source lines named.
+MX_CP = MX + ("--context-parallel-size", "2")
+# one step's MXFP8 q, k, v at full size, TC = 4096 tokens, d = 128 (4 row scales per token and head, 4096/32 = 128
+# column-scale rows of 128): forward (utils.py 3407-3413, used_in_forward only): q and k rowwise, v columnwise;
+# backward (3414-3420, used_in_backward only): q and k both ways, v rowwise; dO (dO_quantizer) both ways
+FWD8 = (Q + KV) + TC * (A_T + G_T) * 4 + TC // 32 * G_T * 128
+BWD8 = (2 * Q + KV + KV // 2) + TC * (A_T + 2 * G_T) * 4 + TC // 32 * (A_T + G_T) * 128
+DO8 = 2 * Q + TC * A_T * 4 + TC // 32 * A_T * 128
+
+
+def test_mxfp8_usage_tensors_by_hand():
+    from megatron_memguard.estimator.layers.fp8_attention import mxfp8_usage_tensors
+    assert mxfp8_usage_tensors(TC, ((A_T, D, True, False), (G_T, D, True, False), (G_T, D, False, True))) == FWD8
+    assert FWD8 == 12_582_912 + 327_680 + 65_536
+    assert mxfp8_usage_tensors(TC, ((A_T, D, True, True), (G_T, D, True, True), (G_T, D, True, False))) == BWD8
+    # no columnwise tensor: no column-scale buffer (_build_outputs returns None for an empty list)
+    assert mxfp8_usage_tensors(32, ((1, 32, True, False),)) == 1024 + 512
+
+
+def test_mxfp8_ring_saved_by_hand():
+    bf16_att = layer_activations(lay(*MX_CP, version="0.19.2")).saved
+    got = layer_activations(lay(*MX_CP, fp8_dot_product_attention=True, version="0.19.2")).saved
+    # 2313-2343: fp8_tensors = (None, None, None), f16_tensors = (q, kv, out_f16) with out_f16 = out_part: the BF16
+    # q, the last BF16 ring buffer [2, s/CP, b, g/t, d] and one fp32 log-sum-exp, as the BF16 ring keeps them
+    assert got["query_rope"] == bf16_att["query_rope"] == 2 * Q
+    assert got["cp_kv_buffer"] == bf16_att["cp_kv_buffer"] == 2 * KV
+    assert got["softmax_stats"] == STATS and "fp8_attention_qkv" not in got
+    # 2255 out_part = out.to(bf16) of the fp32 output (the partial outputs were cast to fp32, 2162-2165), a second
+    # BF16 tensor next to the returned one (2298) linear_proj keeps: 16 MiB per layer here
+    assert got["cp_a2a_attention_output"] == 2 * Q == 16 * 2 ** 20
+    assert got["proj_input"] == bf16_att["proj_input"] == 2 * Q
+    assert sum(got.values()) - sum(bf16_att.values()) == 2 * Q
+
+
+@pytest.mark.parametrize("te,n_ring,n_out", [(None, 2, 2), ("2.15.0", 1, 2)])
+def test_mxfp8_ring_working_sets_by_hand(te, n_ring, n_out):
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    env = {"MEMGUARD_TE_VERSION": te} if te else None
+    L = lay(*MX_CP, env=env, fp8_dot_product_attention=True, version="0.19.2")
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    # v made contiguous (backends.py 2531); BF16 ring buffers in flight (TE 2.20: two; 2.15-2.19: every step's,
+    # CP - 1 besides the saved one), partial outputs in fp32 with their fp32 statistics, the fp32 output; then
+    # two steps' forward MXFP8 q, k, v (two streams) or the end's out_part and returned output (2 x 2 Q, larger)
+    ring = KV + n_ring * 2 * KV + n_out * (4 * Q + STATS) + 4 * Q
+    assert 2 * FWD8 < 2 * 2 * Q
+    assert f.fwd_steps[0][1] == ring + 2 * 2 * Q
+    assert "cp_a2a_attention_output" in f.fwd_steps[0][0]             # counted there while made, not twice
+    # backward (2540-2610): BF16 dO, kv_recv_buffer (empty_like(kv): BF16), dkv_send / dkv_recv [CP, K+V] uint8,
+    # half the statistics, fp32 dq_buffer and dkv_buffer; a step (1370-1397, 2875-2876): BF16 halves of q, out,
+    # dO, their MXFP8 copies, BF16 dq/dk/dv and their fp32 casts
+    common = 2 * Q + 2 * KV + 2 * 2 * KV + STATS // 2 + 4 * W
+    ring_bwd = common + 3 * Q + BWD8 + DO8 + 2 * W + 4 * W
+    bf16_ring = 2 * Q + 3 * 2 * Q + 10 * KV + STATS      # attention.py _cp_attention_items' backward
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ring_bwd - bf16_ring, 0, 0]
+    assert "cp_a2a_attention_output" in f.bwd_steps[2][0]
+
+
+def test_mxfp8_ring_with_core_attention_recompute():
+    # the checkpoint keeps the BF16 q, k, v (saved unchanged); the backward's replay keeps the ring's last BF16
+    # buffer, the statistics, out_part and the returned output through the ring's backward
+    args = MX_CP + ("--recompute-granularity", "selective")
+    L = lay(*args, fp8_dot_product_attention=True, version="0.19.2")
+    assert layer_activations(L).saved == layer_activations(lay(*args, version="0.19.2")).saved
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    kept = 2 * KV + STATS + 2 * Q + 2 * Q
+    ring_bwd = 2 * Q + 2 * KV + 4 * KV + STATS // 2 + 4 * W + 3 * Q + BWD8 + DO8 + 6 * W
+    bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ring_bwd - bf16, 0, 0]
+
+
+def test_mxfp8_ring_rules():
+    # cp_p2p_fwd_fused_attn -> combine_and_quantize asserts s_q % 128 == 0 and s_kv % 128 == 0 per step; a causal
+    # off-diagonal step takes half of the rank's s/CP tokens: 6400 / 2 = 3200 = 25 x 128 per rank, but 6400 / 4 =
+    # 1600 = 12.5 x 128 per half step
+    with pytest.raises(ConfigError, match="fp8.dot.product.attention.*256 x --context-parallel-size \\(512\\).*got 6400"):
+        lay(*MX_CP, "--seq-length", "6400", fp8_dot_product_attention=True, version="0.19.2")
+    assert lay(*MX_CP, "--seq-length", "6144", fp8_dot_product_attention=True,
+               version="0.19.2").fp8_spec.fp8_dot_product_attention                # 1536 = 12 x 128
+    # the all-to-all, a2a+p2p and all-gather MXFP8 paths are not sized: refused naming --cp-comm-type
+    for comm in ("a2a", "all_gather", "a2a+p2p"):
+        with pytest.raises(NotModelledError, match=f"cp.comm.type.*--cp-comm-type {re.escape(comm)}"):
+            lay(*MX_CP, "--cp-comm-type", comm, fp8_dot_product_attention=True, version="0.19.2")

@@ -107,7 +107,7 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
 
 
 # Where FP8 attention is sized (estimator/layers/fp8_attention.py): TE 2.11's FusedAttention (cuDNN) with the
-# per-tensor recipes, TE 2.20.2's with mxfp8 (megatron-core >= 0.17, no context parallelism); everything else it
+# per-tensor recipes, TE 2.20.2's with mxfp8 (megatron-core >= 0.17; under CP the p2p ring only); everything else it
 # touches is refused by name below
 _DPA_RECIPES = ("delayed", "tensorwise", "mxfp8")
 
@@ -254,18 +254,29 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
     (dot_product_attention.py ``init_fp8_metadata``, ``NVTE_DPA_FP8_RECIPE`` unset) and runs it in cuDNN only on
     SM 10.x with cuDNN >= 9.21 (not 9.23.0 / 9.23.1), not for THD (``get_attention_backend``, utils.py 774-791)."""
     key = a.key(dest)
-    if kw.get("context_parallel_size", 1) > 1:
-        # context_parallel.py (TE 2.20.2) has its own MXFP8 path: the p2p ring saves the BF16 q, the last BF16 K/V
-        # buffer and the BF16 out_part (f16_tensors = (q, kv, out_f16)), casts each step's BF16 partial output to
-        # fp32 for the correction, accumulates dq / dK/dV in fp32, and quantizes each step's q, k, v (forward:
-        # q, k rowwise, v columnwise; backward: q, k both ways, v rowwise) and dO to MXFP8 on two streams; the a2a
-        # path saves the exchanged BF16 q, k, v. Neither working set is sized
-        raise NotModelledError(key, "FP8 attention under the mxfp8 recipe with context parallelism (Transformer "
-                                    "Engine 2.20.2's MXFP8 ring / all-to-all attention keeps BF16 q, k, v with fp32 "
-                                    "partial outputs and gradient accumulators and per-step MXFP8 copies, not "
-                                    "sized): estimate with --fp8-recipe tensorwise, NVTE_DPA_FP8_RECIPE="
-                                    "Float8CurrentScaling (the attention in current scaling next to the MXFP8 "
-                                    "linears, sized), or without FP8 attention")
+    cp = kw.get("context_parallel_size", 1)
+    if isinstance(cp, int) and cp > 1:
+        # context_parallel.py (TE 2.20.2) has its own MXFP8 path in each CP type (attn_forward_func_with_cp refuses
+        # none of them); the p2p ring is sized (estimator/layers/fp8_attention.py mxfp8_ring_attention): BF16 q,
+        # K/V ring and out_part saved, per-step MXFP8 copies. The all-to-all (saves the exchanged BF16 q, k, v), its
+        # two-level a2a+p2p form and the all-gather path (AttnFuncWithCPAndKVAllGather runs MXFP8 too from TE 2.15)
+        # are not
+        raw = a.get("cp_comm_type") or ["p2p"]
+        comm = set(raw) if isinstance(raw, (list, tuple)) else {raw}
+        if comm != {"p2p"}:
+            raise NotModelledError(a.key("cp_comm_type"), "FP8 attention under the mxfp8 recipe with --cp-comm-type "
+                                   f"{' '.join(sorted(str(c) for c in comm))} (Transformer Engine 2.20.2's MXFP8 "
+                                   "all-to-all / all-gather attention is not sized; its p2p ring is): estimate with "
+                                   "--cp-comm-type p2p, NVTE_DPA_FP8_RECIPE=Float8CurrentScaling (the attention in "
+                                   "current scaling next to the MXFP8 linears), or without FP8 attention")
+        # each ring step quantizes its q / K/V part (cp_p2p_fwd_fused_attn -> combine_and_quantize: s_q % 128 == 0,
+        # s_kv % 128 == 0); under the causal mask the off-diagonal steps take half of a rank's s/CP tokens
+        seq = kw.get("seq_length")
+        if isinstance(seq, int) and seq % (256 * cp):
+            a.fail(dest, f"needs --seq-length divisible by 256 x --context-parallel-size ({256 * cp}) under the mxfp8 "
+                         "recipe with context parallelism (Transformer Engine 2.20.2 quantizes each ring step's half "
+                         f"of the s/CP tokens in blocks of 128), got {seq}")
+            return False
     # combine_and_quantize (utils.py): "MXFP8 quantization requires s_q % 128 == 0, s_kv % 128 == 0, d_qk % 32 == 0,
     # d_v % 32 == 0" (an assertion at the first step)
     seq = kw.get("seq_length")

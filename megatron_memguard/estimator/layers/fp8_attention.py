@@ -1,7 +1,7 @@
 """FP8 core attention (``fp8_dot_product_attention``): what Transformer Engine 2.11's FusedAttention keeps
 and holds when an FP8 layer runs its dot-product attention in FP8 (the delayed and tensorwise recipes, the only
-ones TE 2.11's DotProductAttention accepts; the mxfp8 recipe as TE 2.20.2 runs it: ``mxfp8_attention``, at the
-end; resolve/fp8.py refuses or drops the others).
+ones TE 2.11's DotProductAttention accepts; the mxfp8 recipe as TE 2.20.2 runs it: ``mxfp8_attention`` and, under
+the CP ring, ``mxfp8_ring_attention``, at the end; resolve/fp8.py refuses or drops the others).
 
 Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`` (forward and backward),
 ``utils.py`` ``combine_and_quantize``, ``csrc/extensions/attention.cpp`` ``fused_attn_fwd`` (aux tensors):
@@ -85,6 +85,8 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
     if L.cp > 1:
         # the all-to-all over every CP rank (a2a), or the ring (p2p; a2a+p2p over two levels: the ring with a2a ranks)
         a2a = L.cp_a2a_size
+        if dpa_recipe(L) == "mxfp8":
+            return mxfp8_ring_attention(L, mixer)     # p2p only: resolve/fp8.py refuses the other CP types
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
         return fp8_ring_attention(L, mixer, a2a)
@@ -429,15 +431,24 @@ def mxfp8_attention_tensors(Tf: int, heads_dims: tuple[tuple[int, int], ...]) ->
     elements: its row and column FP8 data (E bytes each, ``mxfp8_quantize_only``); then the E8M0 scales are
     re-laid into two buffers shared by the tensors (``mxfp8_transpose_swizzle`` ``_build_outputs``): rowwise
     ``[b, h, s, align4(dim/32)]``, columnwise ``[b, h, s/32, align128(dim)]``, one byte each."""
-    data = sum(2 * _alloc(Tf * h * dim) for h, dim in heads_dims)
-    row = sum(Tf * h * _round(dim // 32, 4) for h, dim in heads_dims)
-    col = sum(Tf // 32 * h * _round(dim, 128) for h, dim in heads_dims)
-    return data + _alloc(row) + _alloc(col)
+    return mxfp8_usage_tensors(Tf, tuple((h, dim, True, True) for h, dim in heads_dims))
+
+
+def mxfp8_usage_tensors(Tf: int, items: tuple[tuple[int, int, bool, bool], ...]) -> int:
+    """``mxfp8_quantize_fast_path`` on tensors ``(heads, dim, rowwise, columnwise)`` of ``Tf`` tokens, each with
+    only the usages its quantizer asks for (``combine_and_quantize``'s used_in_forward / used_in_backward
+    branches): per usage E data bytes; the row scales ``[b, h, s, align4(dim/32)]`` of the rowwise tensors share
+    one buffer, the column scales ``[b, h, s/32, align128(dim)]`` of the columnwise ones another (``_build_outputs``
+    makes none when no tensor has that usage)."""
+    data = sum((row + col) * _alloc(Tf * h * dim) for h, dim, row, col in items)
+    rows = sum(Tf * h * _round(dim // 32, 4) for h, dim, row, _ in items if row)
+    cols = sum(Tf // 32 * h * _round(dim, 128) for h, dim, _, col in items if col)
+    return data + (_alloc(rows) if rows else 0) + (_alloc(cols) if cols else 0)
 
 
 def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
-    """FP8 attention under the mxfp8 recipe (megatron-core >= 0.17 with TE 2.20.2, no context parallelism:
-    resolve/fp8.py refuses that path). ``DotProductAttention`` keeps the MXFP8 recipe for the attention
+    """FP8 attention under the mxfp8 recipe (megatron-core >= 0.17 with TE 2.20.2), without context parallelism
+    (the p2p ring: ``mxfp8_ring_attention``; resolve/fp8.py refuses the other CP types). ``DotProductAttention`` keeps the MXFP8 recipe for the attention
     (``NVTE_DPA_FP8_RECIPE`` unset; or switches to it, ``MXFP8BlockScaling``, TE >= 2.15) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
 
     * forward: q, k, v are made contiguous where they are views (``get_qkv_layout``) and quantized one by one (no
@@ -499,5 +510,81 @@ def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mi
             w += do8
         elif "softmax_stats" in rel:
             rel = rel | {"fp8_attention_qkv"}
+        bwd.append((rel, w))
+    return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
+
+
+def mxfp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+    """MXFP8 attention under context parallelism with cp_comm_type p2p: Transformer Engine 2.20.2's
+    ``AttnFuncWithCPAndKVP2P`` with ``fp8`` and ``fp8_recipe.mxfp8()`` (``context_parallel.py``; TE >= 2.15, the
+    first release with MXFP8 attention; 2.15 to 2.19 keep every ring step's buffer and partial output,
+    ``_te_keeps_every_cp_step``). Unlike the per-tensor recipes nothing is quantized up front: q, k, v stay BF16
+    (1735-1752: no ``combine_and_quantize`` for MXFP8), the ring passes BF16 K/V, and every step quantizes its own
+    q, k, v parts (``cp_p2p_fwd_fused_attn``, 1066-1075) and, in the backward, its q, k, v and dO parts
+    (``cp_p2p_bwd_fused_attn``, 1370-1397).
+
+    Saved (2313-2343, ``f16_tensors = (q, kv, out_f16)`` with ``out_f16 = out_part``): the BF16 q, the last BF16 ring
+    buffer and the fp32 log-sum-exp ``[b, a, s]``, as the BF16 ring keeps them, and ``out_part`` (2255: the fp32
+    output cast to BF16), a second BF16 output next to the returned one (2298) linear_proj keeps
+    (``cp_a2a_attention_output``). No MXFP8 tensor is saved.
+
+    Forward working set, on top of v made contiguous (backends.py 2530): the ring buffers in flight (BF16), the
+    partial outputs cast to fp32 (2162-2165) with their fp32 statistics, the fp32 output accumulator (2170-2176),
+    and either two steps' MXFP8 q, k, v (one per stream, ``flash_attn_streams``; ``combine_and_quantize`` with
+    used_in_forward only, utils.py 3407-3413: q and k rowwise, v columnwise; counted at full size, the causal
+    off-diagonal steps quantize half of q or of K/V) or, at the end, ``out_part`` and the returned BF16 output.
+
+    Backward working set (2540-2610, 2862-2877, 3075-3077): the BF16 dO handed in, ``kv_recv_buffer``
+    (``empty_like(kv)``: BF16), ``dkv_send_buffer`` / ``dkv_recv_buffer`` of ``[cp, K+V]`` uint8 each, the fp32 ``dq_buffer``
+    and ``dkv_buffer``, the second half of the statistics made contiguous; per step: the BF16 halves of q, out and
+    dO, their MXFP8 copies (used_in_backward, utils.py 3414-3420: q and k both ways, v rowwise; dO rowwise and
+    columnwise), the kernel's BF16 dq, dk, dv and their fp32 casts (2875-2876); at the end the fp32 gradients
+    returned, cast to BF16 by autograd."""
+    from .attention import _cp_attention_items, _te_keeps_every_cp_step, qkv_out_per_rank
+    saved = mixer.saved
+    x = shapes(L)
+    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
+    gated = _gated(L) == 2
+    core = 2 if gated else 1                           # the core attention's backward step
+    Q = Tf * x.a_t * d                                 # q (and the output) elements
+    KV = 2 * Tf * x.g_t * d                            # k and v elements: one ring buffer
+    W = Q + KV
+    stats = x.b * x.a_t * x.s * 4
+    q, kv1 = Q * e, Tf * x.g_t * d * e
+    rope = L.position_embedding_type in ("rope", "yarn")
+    _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
+    n_ring, n_out = (cp - 1, cp) if _te_keeps_every_cp_step(L) else (2, 2)
+    heads = ((x.a_t, d), (x.g_t, d), (x.g_t, d))
+    fwd8 = mxfp8_usage_tensors(Tf, tuple((h, dim, u, not u) for (h, dim), u in zip(heads, (True, True, False))))
+    bwd8 = mxfp8_usage_tensors(Tf, tuple((h, dim, True, c) for (h, dim), c in zip(heads, (True, True, False))))
+    do8 = mxfp8_usage_tensors(Tf, ((x.a_t, d, True, True),))
+    # the ring: buffers in flight, fp32 partial outputs and statistics, the fp32 output; then two steps' MXFP8
+    # q, k, v (two streams) or the end's two BF16 casts of the output (out_part, out_f16)
+    ring = n_ring * KV * e + n_out * (4 * Q + stats) + 4 * Q
+    ring_fwd = ring + max(2 * fwd8, 2 * e * Q)
+    # backward: dO, the K/V receive buffer, dK/dV send and receive [cp, K+V] uint8, half the statistics, the fp32
+    # dq and dK/dV accumulators; each step's BF16 halves of q, out, dO, their MXFP8 copies, BF16 dq/dk/dv and
+    # their fp32 casts; or the BF16 casts of the fp32 gradients returned
+    common = e * Q + e * KV + 2 * cp * KV + stats // 2 + 4 * W
+    ring_bwd = common + max(3 * e * Q // 2 + bwd8 + do8 + e * W + 4 * W, e * W)
+    (names, _), *rest = mixer.fwd_steps
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved unchanged); its no-grad forward makes
+        # the ring's transients, and the backward's replay keeps the ring's saved tensors (the last BF16 ring
+        # buffer, the statistics, out_part) and the BF16 output it returns through the ring's backward
+        kept = e * KV + stats + 2 * e * Q
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
+        bwd = tuple((rel, w + kept + ring_bwd - bf16 if i == core else w)
+                    for i, (rel, w) in enumerate(mixer.bwd_steps))
+        return mixer._replace(fwd_steps=((names, kv1 + ring_fwd),) + tuple(rest), bwd_steps=bwd)
+    new = dict(saved)
+    new["cp_a2a_attention_output"] = e * Q             # out_part (counted in the forward's end while made)
+    fwd = ((names | {"cp_a2a_attention_output"}, kv1 + ring_fwd),)
+    bwd = []
+    for i, (rel, w) in enumerate(mixer.bwd_steps):
+        if i == core:
+            w += ring_bwd - bf16_ring_bwd
+        elif "softmax_stats" in rel:
+            rel = rel | {"cp_a2a_attention_output"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
