@@ -86,7 +86,10 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
         # the all-to-all over every CP rank (a2a), or the ring (p2p; a2a+p2p over two levels: the ring with a2a ranks)
         a2a = L.cp_a2a_size
         if dpa_recipe(L) == "mxfp8":
-            return mxfp8_ring_attention(L, mixer)     # p2p only: resolve/fp8.py refuses the other CP types
+            if a2a > 1:                                # resolve/fp8.py refuses it first; a guard for other callers
+                from ...errors import NotModelledError
+                raise NotModelledError("--cp-comm-type", "MXFP8 attention with a context-parallel all-to-all")
+            return mxfp8_ring_attention(L, mixer)
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
         return fp8_ring_attention(L, mixer, a2a)
