@@ -266,9 +266,9 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
         if comm != {"p2p"}:
             raise NotModelledError(a.key("cp_comm_type"), "FP8 attention under the mxfp8 recipe with --cp-comm-type "
                                    f"{' '.join(sorted(str(c) for c in comm))} (Transformer Engine 2.20.2's MXFP8 "
-                                   "all-to-all / all-gather attention is not sized; its p2p ring is): estimate with "
-                                   "--cp-comm-type p2p, NVTE_DPA_FP8_RECIPE=Float8CurrentScaling (the attention in "
-                                   "current scaling next to the MXFP8 linears), or without FP8 attention")
+                                   "all-to-all / all-gather attention; sized instead: --cp-comm-type p2p, or "
+                                   "NVTE_DPA_FP8_RECIPE=Float8CurrentScaling for the attention in current scaling "
+                                   "next to the MXFP8 linears)")
         # each ring step quantizes its q / K/V part (cp_p2p_fwd_fused_attn -> combine_and_quantize: s_q % 128 == 0,
         # s_kv % 128 == 0); under the causal mask the off-diagonal steps take half of a rank's s/CP tokens
         seq = kw.get("seq_length")
