@@ -1718,11 +1718,11 @@ def test_every_pretraining_recipe_bridge_ships_is_read_or_refused_by_name_with_t
             with pytest.raises(NotModelledError, match=rf"^{key}: the Megatron-Bridge recipe '{fn}' \(.+; its run_config"):
                 call()
         refused.append(fn)
-    # every pretraining function of memguard's table is one Bridge ships (84 in 0.6.2; its 12 PEFT ones: tests above)
+    # every pretraining function of memguard's table is one Bridge ships (86 in 0.6.2; its 12 PEFT ones: tests above)
     from megatron_memguard.readers.models import presets
     table = {fn for r in presets()["recipes"].values() for fn in r["functions"]}
-    assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 84
-    assert len(refused) == len(functions) - 84 > 0
+    assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 86
+    assert len(refused) == len(functions) - 86 > 0
 
 
 @pytest.mark.parametrize("dispatcher", [None, "alltoall"])
