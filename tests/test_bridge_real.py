@@ -210,6 +210,8 @@ LAUNCHES = [
     ["--recipe", "llama31_405b_pretrain_config", "-tp", "8", "-pp", "2", "-vp", "7", "-cp", "1", "-sl", "8192",
      "model.account_for_embedding_in_pipeline_split=false", "model.account_for_loss_in_pipeline_split=false"],
     ["--recipe", "llama3_8b_low_precision_pretrain_config", "-mb", "2"],
+    # Gemma 3 (the recipe's own Gemma3ModelProvider)
+    ["--recipe", "gemma3_1b_pretrain_config", "-sl", "8192", "-mb", "2", "-gb", "64"],
     # PEFT recipes: --mode lora / dora picks the recipe's peft_scheme (GBS 16 for the test's 16 GPUs)
     ["--recipe", "llama32_1b_peft_config", "-gb", "16"],
     ["--model", "llama3_8b", "--mode", "dora", "-tp", "2", "-gb", "16"],
@@ -1286,6 +1288,8 @@ FINALIZED_LAUNCHES = [
     (256, ["--recipe", "llama31_405b_pretrain_config", "model.virtual_pipeline_model_parallel_size=null"]),
     (16, ["--recipe", "llama3_8b_pretrain_2gpu_h100_fp8mx_config", "-tp", "2", "model.sequence_parallel=true"]),
     (16, ["--recipe", "llama3_8b_pretrain_2gpu_h100_nvfp4_config", "-mb", "2"]),
+    (16, ["--recipe", "gemma3_1b_pretrain_1gpu_h100_bf16_config", "-pp", "2", "model.recompute_granularity=selective",
+          "model.recompute_modules=[mlp]"]),
     # the recipe's TP communication overlap, which CommOverlapConfig switches off without sequence parallelism
     (4, ["--recipe", "nemotronh_8b_pretrain_config", "model.sequence_parallel=false"]),
     (32, ["--recipe", "qwen25_32b_pretrain_config", "-tp", "4", "-pp", "2", "model.sequence_parallel=true",

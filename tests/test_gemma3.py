@@ -201,6 +201,8 @@ def test_nemo2_gemma3_1b_by_its_class_is_the_published_model(tmp_path):
     assert L.rotary_tables == 2 and attention.rotary_cache(L, 26)[0] == 2 * 4096 * 256 * 4
     # Gemma3TEDotProductAttention: a local layer's TE window is (window_size, 0) = (512, 0) (Bridge's: 511)
     assert L.post_proj_norms and L.qk_layernorm and raw.args["window_size"] == [512, 0]
+    # its spec builds the q / k norms whatever qk_layernorm says (a checkpoint's model.yaml writes GPTConfig's False)
+    assert total_parameters(resolve(_nemo2(tmp_path, "Gemma3Config1B", "model.config.qk_layernorm=false"))) == 999_885_952
 
 
 @pytest.mark.parametrize("name, cls", [("4b", "Gemma3Config4B"), ("12b", "Gemma3Config12B"), ("27b", "Gemma3Config27B")])

@@ -103,6 +103,9 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         _gemma3_layers(b, fields, f"{ckey}._target_ ({cls})")
     map_mcore_fields(b, fields, extra_known=extra, unknown_context="megatron-core / NeMo 2 GPTConfig")
     if gemma3:
+        # gemma3_layer_spec builds the q / k TENorms whatever qk_layernorm says (a checkpoint's model.yaml writes
+        # GPTConfig's False)
+        b.set("qk_layernorm", True, f"{ckey}.transformer_layer_spec (gemma3_layer_spec)")
         window, wkey = fields.get("window_size", (None, ""))
         if isinstance(window, int) and not isinstance(window, bool) and window > 0:
             # NeMo's Gemma3TEDotProductAttention: a local layer's window is (window_size, 0) (Bridge's: window_size - 1)
