@@ -210,6 +210,8 @@ LAUNCHES = [
     ["--recipe", "llama31_405b_pretrain_config", "-tp", "8", "-pp", "2", "-vp", "7", "-cp", "1", "-sl", "8192",
      "model.account_for_embedding_in_pipeline_split=false", "model.account_for_loss_in_pipeline_split=false"],
     ["--recipe", "llama3_8b_low_precision_pretrain_config", "-mb", "2"],
+    # Gemma 3 (the recipe's own Gemma3ModelProvider)
+    ["--recipe", "gemma3_1b_pretrain_config", "-sl", "8192", "-mb", "2", "-gb", "64"],
     # PEFT recipes: --mode lora / dora picks the recipe's peft_scheme (GBS 16 for the test's 16 GPUs)
     ["--recipe", "llama32_1b_peft_config", "-gb", "16"],
     ["--model", "llama3_8b", "--mode", "dora", "-tp", "2", "-gb", "16"],
@@ -533,15 +535,18 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
     from megatron.bridge.training.utils.omegaconf_utils import OverridesError, process_config_with_overrides
 
     from megatron_memguard.errors import ConfigError
-    from megatron_memguard.readers._common import parse_overrides
+    from megatron_memguard.readers._common import GEMMA3_FIELDS, parse_overrides
     from megatron_memguard.readers.bridge import _CHECKED_PROVIDERS, model_known_fields, read_bridge
     from megatron_memguard.readers.detect import read_config_file
     from megatron_memguard.readers.models import presets
 
     for name, r in presets()["recipes"].items():
         model = getattr(recipes, r["functions"][0])().model
-        assert type(model).__name__ in _CHECKED_PROVIDERS, name
-        assert {f.name for f in dataclasses.fields(model)} <= model_known_fields(), name
+        # Gemma3ModelProvider (gemma3_1b): its own fields are the ones memguard reads for Gemma 3 (GEMMA3_FIELDS);
+        # an unknown key of a Gemma 3 file is warned about, as for any provider with fields of its own
+        own = GEMMA3_FIELDS if type(model).__name__ == "Gemma3ModelProvider" else frozenset()
+        assert type(model).__name__ in _CHECKED_PROVIDERS or own, name
+        assert {f.name for f in dataclasses.fields(model)} <= model_known_fields() | own, name
     with pytest.raises(OverridesError, match="model.num_layer"):
         process_config_with_overrides(recipes.llama32_1b_pretrain_config(), cli_overrides=["model.num_layer=4"])
     with pytest.raises(ConfigError, match=r"^model\.num_layer: .*did you mean model\.num_layers\?"):
@@ -1283,6 +1288,8 @@ FINALIZED_LAUNCHES = [
     (256, ["--recipe", "llama31_405b_pretrain_config", "model.virtual_pipeline_model_parallel_size=null"]),
     (16, ["--recipe", "llama3_8b_pretrain_2gpu_h100_fp8mx_config", "-tp", "2", "model.sequence_parallel=true"]),
     (16, ["--recipe", "llama3_8b_pretrain_2gpu_h100_nvfp4_config", "-mb", "2"]),
+    (16, ["--recipe", "gemma3_1b_pretrain_1gpu_h100_bf16_config", "-pp", "2", "model.recompute_granularity=selective",
+          "model.recompute_modules=[mlp]"]),
     # the recipe's TP communication overlap, which CommOverlapConfig switches off without sequence parallelism
     (4, ["--recipe", "nemotronh_8b_pretrain_config", "model.sequence_parallel=false"]),
     (32, ["--recipe", "qwen25_32b_pretrain_config", "-tp", "4", "-pp", "2", "model.sequence_parallel=true",
@@ -1718,11 +1725,11 @@ def test_every_pretraining_recipe_bridge_ships_is_read_or_refused_by_name_with_t
             with pytest.raises(NotModelledError, match=rf"^{key}: the Megatron-Bridge recipe '{fn}' \(.+; its run_config"):
                 call()
         refused.append(fn)
-    # every pretraining function of memguard's table is one Bridge ships (84 in 0.6.2; its 12 PEFT ones: tests above)
+    # every pretraining function of memguard's table is one Bridge ships (86 in 0.6.2; its 12 PEFT ones: tests above)
     from megatron_memguard.readers.models import presets
     table = {fn for r in presets()["recipes"].values() for fn in r["functions"]}
-    assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 84
-    assert len(refused) == len(functions) - 84 > 0
+    assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 86
+    assert len(refused) == len(functions) - 86 > 0
 
 
 @pytest.mark.parametrize("dispatcher", [None, "alltoall"])

@@ -147,3 +147,84 @@ def test_the_fujii2024_profile_refuses_the_post_norms_by_name():
     from megatron_memguard.estimator.fujii2024 import estimate_fujii2024
     with pytest.raises(NotModelledError, match="Gemma 3's post-projection norms"):
         estimate_fujii2024(_layout("1b"))
+
+
+# --- NeMo 2.5.0's Gemma3Config (llm/gpt/model/gemma3.py): an export naming only the class is read with its defaults
+NEMO2_EXPORT = """\
+_target_: nemo.collections.llm.api.pretrain
+model:
+  _target_: nemo.collections.llm.gpt.model.gemma3.Gemma3Model
+  config:
+    _target_: nemo.collections.llm.gpt.model.gemma3.{cls}
+trainer:
+  _target_: nemo.lightning.pytorch.trainer.Trainer
+  devices: 8
+  num_nodes: 1
+  strategy:
+    _target_: nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy
+    tensor_model_parallel_size: 1
+    pipeline_model_parallel_size: 1
+    context_parallel_size: {cp}
+  plugins:
+    _target_: nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision
+    precision: bf16-mixed
+data:
+  _target_: nemo.collections.llm.gpt.data.mock.MockDataModule
+  seq_length: 4096
+  global_batch_size: 32
+  micro_batch_size: 1
+optim:
+  _target_: nemo.lightning.pytorch.optim.megatron.MegatronOptimizerModule
+  config:
+    _target_: megatron.core.optimizer.optimizer_config.OptimizerConfig
+    optimizer: adam
+    use_distributed_optimizer: true
+"""
+
+
+def _nemo2(tmp_path, cls, *overrides, cp=1):
+    from megatron_memguard.readers.detect import read_config_file
+    p = tmp_path / "nemo2.yaml"
+    p.write_text(NEMO2_EXPORT.format(cls=cls, cp=cp))
+    return read_config_file(str(p), overrides=list(overrides))
+
+
+def test_nemo2_gemma3_1b_by_its_class_is_the_published_model(tmp_path):
+    from megatron_memguard.resolve import resolve
+    raw = _nemo2(tmp_path, "Gemma3Config1B")
+    L = resolve(raw)
+    # google/gemma-3-1b-pt model.safetensors: 999,885,952 parameters (Gemma3Config1B: vocab 262,144, tied embedding)
+    assert total_parameters(L) == 999_885_952
+    assert (L.num_layers, L.hidden_size, L.num_attention_heads, L.kv_channels, L.padded_vocab_size) == (26, 1152, 4, 256, 262_144)
+    # NeMo's Gemma3RotaryEmbedding returns (local, global), each cached by RotaryEmbedding.forward: two tables, no
+    # stack (Bridge's three-plus-one is 4): 2 x [4096, 1, 1, 256] fp32 = 8 MiB
+    assert L.rotary_tables == 2 and attention.rotary_cache(L, 26)[0] == 2 * 4096 * 256 * 4
+    # Gemma3TEDotProductAttention: a local layer's TE window is (window_size, 0) = (512, 0) (Bridge's: 511)
+    assert L.post_proj_norms and L.qk_layernorm and raw.args["window_size"] == [512, 0]
+    # its spec builds the q / k norms whatever qk_layernorm says (a checkpoint's model.yaml writes GPTConfig's False)
+    assert total_parameters(resolve(_nemo2(tmp_path, "Gemma3Config1B", "model.config.qk_layernorm=false"))) == 999_885_952
+
+
+@pytest.mark.parametrize("name, cls", [("4b", "Gemma3Config4B"), ("12b", "Gemma3Config12B"), ("27b", "Gemma3Config27B")])
+def test_nemo2_gemma3_text_classes_match_the_technical_report(tmp_path, name, cls):
+    from megatron_memguard.errors import NotModelledError
+    from megatron_memguard.resolve import resolve
+    # these classes default to is_vision_language: true (the VL model's language config: an arbitrary attention mask)
+    with pytest.raises(NotModelledError, match=rf"^model\.config\._target_ \({cls}\): NeMo 2's Gemma 3 with is_vision_language"):
+        _nemo2(tmp_path, cls)
+    raw = _nemo2(tmp_path, cls, "model.config.is_vision_language=false")
+    L = resolve(raw)
+    n, h, f, a, g, d, v = GEMMA3[name]
+    assert (L.num_layers, L.hidden_size, L.ffn_hidden_size, L.num_attention_heads, L.num_query_groups, L.kv_channels,
+            L.padded_vocab_size) == (n, h, f, a, g, d, v)
+    # Gemma 3 Technical Report (arXiv 2503.19786), Table 1: non-embedding parameters in millions
+    assert round((total_parameters(L) - v * h) / 1e6) == NON_EMBEDDING_M[name]
+    assert raw.args["window_size"] == [1024, 0] and L.qk_layernorm and L.post_proj_norms
+
+
+def test_nemo2_gemma3_context_parallelism_is_a_problem(tmp_path):
+    # Gemma3Config.configure_model: ValueError("Context Parallel is not supported for Gemma3 model.")
+    assert [str(p) for p in _nemo2(tmp_path, "Gemma3Config1B", cp=2).problems] == [
+        "trainer.strategy.context_parallel_size: must be 1 with Gemma3Config1B (Gemma3Config.configure_model raises "
+        "ValueError: Context Parallel is not supported for Gemma3 model) (trainer.strategy.context_parallel_size=1)"]
+    assert not _nemo2(tmp_path, "Gemma3Config1B").problems

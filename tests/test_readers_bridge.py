@@ -546,14 +546,31 @@ def test_the_gemma3_and_gemma4_recipes_are_refused_for_the_same_reason_as_their_
         read_model(recipe)
 
 
-def test_a_gemma3_recipe_points_to_its_run_config():
-    # its layers are modelled, its values not bundled: the dump can be read (above)
+@pytest.mark.parametrize("name", ["gemma3_1b_pretrain_config", "gemma3_1b_pretrain_1gpu_h100_bf16_config"])
+def test_the_gemma3_pretraining_recipe_is_read_by_name(name):
+    # Bridge 0.6.2 recipes/gemma/h100/gemma3.py gemma3_1b_pretrain_1gpu_h100_bf16_config (recipes/gemma/gemma3.py
+    # aliases it as gemma3_1b_pretrain_config): Gemma3ModelProvider(num_layers=26, hidden_size=1152, ...,
+    # window_size=512, seq_length=32768), GBS 512, MBS 1, NullTokenizer of DEFAULT_NULL_TOKENIZER_VOCAB_SIZE 32000
+    from megatron_memguard.readers.models import read_model
+    from megatron_memguard.resolve import resolve
+
+    raw = read_model(name)
+    L = resolve(raw, world_size=1)
+    assert (L.num_layers, L.hidden_size, L.ffn_hidden_size, L.num_attention_heads, L.num_query_groups, L.kv_channels) == \
+        (26, 1152, 6912, 4, 1, 256)
+    assert (L.seq_length, L.micro_batch_size, L.global_batch_size, L.padded_vocab_size) == (32768, 1, 512, 32000)
+    # the provider's gemma3_layer_spec and Gemma3RotaryEmbedding; the local window (512 - 1, 0)
+    assert L.post_proj_norms and L.rotary_tables == 4 and L.qk_layernorm and raw.args["window_size"] == [511, 0]
+
+
+@pytest.mark.parametrize("name", ["gemma3_1b_sft_config", "gemma3_1b_peft_1gpu_h100_bf16_config"])
+def test_a_gemma3_finetuning_recipe_points_to_its_run_config(name):
+    # its layers are modelled, but the recipe reads google/gemma-3-1b-pt's config.json: the dump can be read (above)
     from megatron_memguard.readers.models import read_model
 
-    with pytest.raises(NotModelledError, match=r"^--model: the Megatron-Bridge recipe "
-                       r"'gemma3_1b_pretrain_1gpu_h100_bf16_config' \(a Gemma 3 recipe memguard has no entry for .*; its "
-                       r"run_config.yaml dump can be read with --config\)"):
-        read_model("gemma3_1b_pretrain_1gpu_h100_bf16_config")
+    with pytest.raises(NotModelledError, match=rf"^--model: the Megatron-Bridge recipe '{name}' \(a Gemma 3 recipe memguard "
+                       r"has no entry for .*; its run_config.yaml dump can be read with --config\)"):
+        read_model(name)
 
 
 def test_the_gemma2_recipes_are_refused_for_the_same_reason_as_their_dump():

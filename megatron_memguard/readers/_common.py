@@ -132,10 +132,10 @@ GEMMA2_WHAT = ("Gemma 2's attention logit softcapping and final logit softcappin
 # post_proj_norm_items). The rest changes no saved tensor: the sliding window is TE's window_size (the same q, k, v,
 # output and softmax statistics) and the embedding scale multiplies by a constant.
 # NeMo 2.5.0's Gemma3Config builds the same layers (its gemma3_layer_spec, TERowParallelLinearLayerNorm from gemma2.py;
-# Gemma3RotaryEmbedding returns the two cached tables as a tuple), but its class defaults (shape, RMSNorm, QK norm,
-# no bias, gated MLP) are not bundled: an export naming only the class would be read as a plain GPTConfig
-GEMMA3_NEMO2_WHAT = ("NeMo 2's Gemma3Config (its layers are the Gemma 3 layers memguard estimates from a Megatron-Bridge "
-                     "config, but the class's defaults are not bundled; give the Bridge run_config.yaml)")
+# Gemma3RotaryEmbedding returns the two cached tables as a tuple); its classes' defaults are bundled (presets.yaml
+# nemo2_classes) and read by readers/nemo2.py. A Gemma 3 class NeMo 2.5.0 does not have is refused by name.
+GEMMA3_NEMO2_WHAT = ("a NeMo 2 Gemma 3 config class memguard has not bundled (NeMo 2.5.0's Gemma3Config, Gemma3Config1B, "
+                     "4B, 12B and 27B are; give the Bridge run_config.yaml)")
 GEMMA3_VL_WHAT = ("Gemma 3 VL's vision encoder and image-aware attention bias (Megatron-Bridge's "
                   "models/gemma_vl/gemma3_vl_provider.py)")
 # Gemma 3's own config fields (Bridge's Gemma3ModelProvider, NeMo 2's Gemma3Config) that decide no memory beyond

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from ..config import RawConfig
 from ..errors import ConfigError, NotModelledError, ReaderError
 from ._common import (
-    GEMMA2_WHAT, GEMMA3_NEMO2_WHAT, ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size,
+    GEMMA2_WHAT, GEMMA3_FIELDS, GEMMA3_NEMO2_WHAT, ArgsBuilder, apply_overrides, as_bool, config_fields, default_ffn_hidden_size,
     dtype_name, emerging_optimizer, fsdp_and_offload_keys, gemma_class_what, group_query_attention, is_gemma3_class,
     is_missing, map_mcore_fields, model_fields_read, refuse_softcapping, refuse_unset, peft_module_list, refuse_unset_section_field, set_vocab,
     target_name,
@@ -70,7 +70,12 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
     cls = target_name(cfg) or "GPTConfig"
     fields: dict[str, tuple[Any, str]] = {}
     preset = nemo2_model(cls)
-    if preset:
+    # Gemma3Config* (NeMo 2.5.0 llm/gpt/model/gemma3.py): the whole class is bundled (nemo2_classes), shape included
+    gemma3 = dict(nemo2_class_fields(cls)) if is_gemma3_class(cls) else {}
+    if gemma3:
+        for name, value in gemma3.items():
+            fields[name] = (value, f"{ckey}._target_ ({cls})")
+    elif preset:
         # The class's own defaults (its shape) under what the file sets explicitly.
         for name, value in {**hf_to_provider(model_hf(preset)), **nemo2_class_fields(cls)}.items():
             if name not in ("seq_length",):
@@ -81,9 +86,9 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         b.warn(f"{ckey}: {cls} is not a class memguard knows and the file has no shape; give --model NAME")
     given = {str(name): (value, f"{ckey}.{name}") for name, value in cfg.items() if name != "_target_"}
     refuse_unset(given, model_fields_read(), model_fields_read(), "NeMo 2")   # the file's '???' / null, not the preset's
-    # Gemma3Config* (NeMo 2.5.0 llm/gpt/model/gemma3.py: Bridge's Gemma 3 layers, defaults not bundled) by its class,
-    # before Gemma2Config's softcapping defaults (gemma2_layer_spec) by the key the file sets
-    gemma_what = GEMMA3_NEMO2_WHAT if is_gemma3_class(cls) else gemma_class_what(cls)
+    # a Gemma 3 class memguard has not bundled by its class, before Gemma2Config's softcapping defaults
+    # (gemma2_layer_spec) by the key the file sets
+    gemma_what = (GEMMA3_NEMO2_WHAT if not gemma3 else None) if is_gemma3_class(cls) else gemma_class_what(cls)
     if gemma_what is not None and gemma_what is not GEMMA2_WHAT:
         raise NotModelledError(f"{ckey}._target_", gemma_what)
     refuse_softcapping(given)
@@ -93,7 +98,18 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
         if not is_missing(value):
             fields[name] = (value, key)
     extra = config_fields().get("GPTModelProvider", frozenset()) | _GPTCONFIG_EXTRAS
+    if gemma3:
+        extra |= GEMMA3_FIELDS | {"softmax_scale"}
+        _gemma3_layers(b, fields, f"{ckey}._target_ ({cls})")
     map_mcore_fields(b, fields, extra_known=extra, unknown_context="megatron-core / NeMo 2 GPTConfig")
+    if gemma3:
+        # gemma3_layer_spec builds the q / k TENorms whatever qk_layernorm says (a checkpoint's model.yaml writes
+        # GPTConfig's False)
+        b.set("qk_layernorm", True, f"{ckey}.transformer_layer_spec (gemma3_layer_spec)")
+        window, wkey = fields.get("window_size", (None, ""))
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            # NeMo's Gemma3TEDotProductAttention: a local layer's window is (window_size, 0) (Bridge's: window_size - 1)
+            b.set("window_size", [window, 0], wkey)
     group_query_attention(b, fields)
     if fields.get("ffn_hidden_size", (None,))[0] is None and fields.get("hidden_size", (None,))[0] is not None:
         default_ffn_hidden_size(b, fields["hidden_size"][0], fields["hidden_size"][1])
@@ -201,6 +217,8 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
     vocab = cfg.get("vocab_size") if not is_missing(cfg.get("vocab_size")) else None
     if vocab:
         set_vocab(b, vocab, f"{ckey}.vocab_size", pad=False)
+    elif gemma3.get("vocab_size"):
+        set_vocab(b, gemma3["vocab_size"], f"{ckey}._target_ ({cls})", pad=False)
     else:
         tok, tkey = None, None
         for cand, key in ((doc.get("tokenizer"), "tokenizer"), (model.get("tokenizer"), f"{mprefix}tokenizer"),
@@ -223,6 +241,8 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
             b.set("tokenizer_type", "NeMoTokenizer", "tokenizer")
             b.origin["vocab_size"] = "tokenizer"
     _grad_reduce_dtype(b)
+    if gemma3:
+        _gemma3_parallelism(b, cls)
     _peft(b, doc, model, mprefix)
     if b.args.get("attention_backend") == "local" and b.args.get("transformer_impl", "transformer_engine") != "local":
         # NeMo 2.5's GPTConfig keeps the TE spec's core attention (it does not swap in megatron-core's
@@ -233,6 +253,40 @@ def read_nemo2(doc: Mapping, path: str, overrides: list[tuple[str, str, Any]]) -
                   "local needs the local layer spec in NeMo 2 (Transformer Engine's attention finds no backend "
                   "with NVTE_*_ATTN=0)", "use attention_backend unfused, or the local transformer_layer_spec")
     return b.build()
+
+
+def _gemma3_layers(b: ArgsBuilder, fields: Mapping[str, tuple[Any, str]], class_key: str) -> None:
+    """NeMo 2.5.0's Gemma 3 layers (llm/gpt/model/gemma3.py): gemma3_layer_spec's two TERowParallelLinearLayerNorm
+    projections (gemma2.py: a TENorm on each output) and q / k TENorms (built whatever qk_layernorm says), and
+    Gemma3RotaryEmbedding, whose lru_cached forward returns the local and the global table as a tuple (two tables,
+    no stack: Bridge's stacks them). ``is_vision_language`` (the 4B / 12B / 27B classes' default) is refused."""
+    vl, vl_key = fields.get("is_vision_language", (False, class_key))
+    if not is_missing(vl) and as_bool(vl):
+        raise NotModelledError(vl_key, "NeMo 2's Gemma 3 with is_vision_language (Gemma3Config4B / 12B / 27B's default: "
+                               "Gemma3TEDotProductAttention takes an arbitrary attention mask, the VL model's)",
+                               "set model.config.is_vision_language: false for the text model")
+    spec = fields.get("transformer_layer_spec", (None, ""))[0]
+    name = (target_name(spec) or str(spec)) if spec is not None else "gemma3_layer_spec"
+    if name.strip().rsplit(".", 1)[-1] != "gemma3_layer_spec":
+        raise NotModelledError(fields["transformer_layer_spec"][1], f"a Gemma3Config with the layer spec {name!r} "
+                               "(memguard reads gemma3_layer_spec's layers)")
+    b.set("post_proj_norms", True, class_key)
+    b.set("rotary_tables", 2, class_key)
+
+
+def _gemma3_parallelism(b: ArgsBuilder, cls: str) -> None:
+    """Gemma3Config.configure_model (NeMo 2.5.0): a ValueError for context parallelism, an assertion for virtual
+    pipeline stages."""
+    cp = b.args.get("context_parallel_size")
+    if isinstance(cp, int) and cp > 1:
+        b.problem(b.origin.get("context_parallel_size", "context_parallel_size"), f"must be 1 with {cls} (Gemma3Config."
+                  "configure_model raises ValueError: Context Parallel is not supported for Gemma3 model)",
+                  "trainer.strategy.context_parallel_size=1")
+    vpp = b.args.get("virtual_pipeline_model_parallel_size")
+    if isinstance(vpp, int) and vpp > 1:
+        b.problem(b.origin.get("virtual_pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"),
+                  f"must be null with {cls} (Gemma3Config.configure_model asserts: Virtual pipeline model parallel "
+                  "size is not yet supported for Gemma3 model)", "trainer.strategy.virtual_pipeline_model_parallel_size=null")
 
 
 # '???' and null outside the model config. NeMo 2 builds each section's class from the YAML as it is (fiddle): '???' is
