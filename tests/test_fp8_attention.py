@@ -406,12 +406,13 @@ def test_all_gather_attention_saved_by_hand(recipe, version, env):
     assert -delta // 2 ** 20 == (19 if recipe == "delayed" else 11)      # (the scales: just under 20 / 12 MiB)
 
 
+@pytest.mark.parametrize("version,env", AG_TE)
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
-def test_all_gather_attention_working_sets_by_hand(recipe):
+def test_all_gather_attention_working_sets_by_hand(recipe, version, env):
     from megatron_memguard.estimator.layers.attention import activations as attention
     from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
     L = lay("--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2",
-            "--cp-comm-type", "all_gather", fp8_dot_product_attention=True, version="0.19.2")
+            "--cp-comm-type", "all_gather", fp8_dot_product_attention=True, version=version, env=env)
     m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
     f = fp8_attention(L, m)
     delayed = recipe == "delayed"
@@ -421,8 +422,10 @@ def test_all_gather_attention_working_sets_by_hand(recipe):
     # gather_along_first_dim of the FP8 k, v ([cp x TC, g, d] each) and their index_select'ed copies (k_ag, v_ag,
     # alive to the end); per step (two streams) q.select(..).contiguous() (Q / 2), the K/V slice of the widest step
     # (rank 0's chunk 2 CP - 1: the whole gathered K/V) made contiguous, both steps' BF16 out_per_step and out_f16,
-    # the statistics; delayed: a step's FP8 output before its dequantization
-    steps = cp * KV + Q // 2 + cp * KV + 2 * Q + 2 * Q + STATS + (Q // 2 if delayed else 0)
+    # the statistics; delayed: a step's FP8 output before its dequantization; TE 2.18.0 on (2.20.2 here, not 2.15.0):
+    # "out = torch.zeros(o_shape, dtype=fwd_nominal_dtype, ...)", THD's accumulator made for sbhd too (BF16, Q)
+    zeros = 2 * Q if env is None else 0
+    steps = cp * KV + Q // 2 + cp * KV + 2 * Q + 2 * Q + zeros + STATS + (Q // 2 if delayed else 0)
     assert f.fwd_steps[1][1] == alive + steps
     # backward: dout (BF16) and dout_fp8, dq (torch.empty BF16), dk / dv torch.zeros of cp x TC rows (BF16), k_ag /
     # v_ag gathered again (FP8); per step the contiguous halves of q, out (FP8 delayed, BF16 tensorwise), dO and the

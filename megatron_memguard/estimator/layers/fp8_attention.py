@@ -34,7 +34,7 @@ from typing import Mapping
 
 from ...layout import Layout
 from ..fp8 import _alloc, quantized_tensor
-from ..te_release import attention_recipe, fp8_softmax_stats
+from ..te_release import AG_OUT_ZEROS_SINCE, attention_recipe, fp8_softmax_stats, te_at_least
 from .attention import _gated
 from .base import MixerActivations, Shapes, shapes
 from .cp_attention import a2a_peak
@@ -333,7 +333,8 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
     in FP8 (``gather_along_first_dim``, then ``index_select`` for the chunk order: ``cp x`` the local K/V, 1.5 times
     that while the second copy is made), kept to the function's end; per step (two, on two streams) a contiguous
     half of q and the K/V slice it sees (causal, DualChunkSwap: up to the whole gathered K/V on CP rank 0), both
-    steps' BF16 partial outputs (delayed: each first in FP8) and ``out_f16``.
+    steps' BF16 partial outputs (delayed: each first in FP8) and ``out_f16``; from TE 2.18 also a zeroed BF16 output
+    (``out = torch.zeros(o_shape)``, THD's accumulator, made for sbhd too: ``AG_OUT_ZEROS_SINCE``).
 
     Backward working set: dO handed in (BF16) and its FP8 copy, BF16 dq and the gathered BF16 dK/dV accumulators
     (``torch.zeros((k_shape[0] * cp_size, ...))``), K/V gathered again in FP8; per step the contiguous halves of q,
@@ -362,8 +363,9 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
     step_kv = cp * KV                                  # the widest step's K/V slice (chunk 2 CP - 1)
     # forward: the steps' inputs (q half, K/V slice), both BF16 partial outputs, out_f16 (delayed: a step's FP8 output
     # before its dequantization), the statistics
-    fwd_steps = gathered + Q // 2 + step_kv + e * Q + e * Q + stats + (Q // 2 if delayed else 0)
-    fwd_end = gathered + 2 * e * Q + stats + (out8 if delayed else 0)
+    zeros = e * Q if te_at_least(L.env_dict, L.megatron_version, AG_OUT_ZEROS_SINCE) else 0   # TE >= 2.18: ``out``
+    fwd_steps = gathered + Q // 2 + step_kv + e * Q + e * Q + zeros + stats + (Q // 2 if delayed else 0)
+    fwd_end = gathered + 2 * e * Q + zeros + stats + (out8 if delayed else 0)
     # backward: dO (BF16, FP8), dq (BF16) and the gathered dK/dV (BF16) held throughout
     held = e * Q + Q + e * Q + e * gathered
     # each step's BF16 dq/dk/dv collected to the end: dq's halves, and the two steps' K/V slices (chunks r and
