@@ -339,7 +339,8 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
     Backward working set: dO handed in (BF16) and its FP8 copy, BF16 dq and the gathered BF16 dK/dV accumulators
     (``torch.zeros((k_shape[0] * cp_size, ...))``), K/V gathered again in FP8; per step the contiguous halves of q,
     out, dO and the K/V slice, each step's BF16 dq/dk/dv kept in ``dq_per_step`` etc. to the end (delayed: FP8 first,
-    then dequantized); at the end the chunk reorder of dK/dV (``index_select``) and their reduce-scatter."""
+    then dequantized); at the end the chunk reorder of dK/dV (``index_select``, one at a time) and their
+    reduce-scatter."""
     from .attention import _cp_attention_items, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
@@ -375,7 +376,9 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
     step_fp8 = (Q // 2 + step_kv) if delayed else 0    # delayed: the step's FP8 dq/dk/dv before dequantization
     ag_bwd = held + max(gather_peak,
                         gathered + collected + step_in + step_fp8,
-                        gathered + collected + e * gathered + e * KV)   # reorder copy, reduce-scatter output
+                        # the end: dK's reordered copy (the gathered one freed), dV's next to its gathered one;
+                        # reduce_scatter's outputs (e KV) are no more than half of that
+                        gathered + collected + e * gathered // 2)
     (names, _), *rest = mixer.fwd_steps
     combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
     if "softmax_stats" not in saved:
