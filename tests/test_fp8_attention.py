@@ -335,9 +335,11 @@ def test_ring_attention_with_core_attention_recompute_te_2_20():
 
 def test_context_parallel_comm_types():
     fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2"]
-    # TE 2.11 attn_forward_func_with_cp: AttnFuncWithCPAndKVAllGather takes no fp8 (BF16 kernels)
-    L = lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True)
-    assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
+    # TE 2.11 to 2.14.1 attn_forward_func_with_cp: AttnFuncWithCPAndKVAllGather takes no fp8 (BF16 kernels);
+    # from TE 2.15.0 it does (test_all_gather_attention_*)
+    for version, env in (("0.16.1", None), ("0.19.2", {"MEMGUARD_TE_VERSION": "2.14.1"})):
+        L = lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True, version=version, env=env)
+        assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
     # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below)
     L = lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
     assert L.fp8_spec.fp8_dot_product_attention and L.cp_a2a_size == 2
@@ -356,7 +358,7 @@ def test_context_parallel_comm_types():
                 version=version)
         assert L.cp_a2a_size == 2 and L.fp8_spec.fp8_dot_product_attention
     # one type per layer (TransformerConfig asserts one for each of the 32 layers): the all_gather layers would run
-    # BF16 attention, the p2p ones FP8
+    # BF16 attention (TE < 2.15) or AttnFuncWithCPAndKVAllGather's FP8, the p2p ones the FP8 ring
     with pytest.raises(NotModelledError, match="cp.comm.type.*one communication type per layer"):
         lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True)
     # a list of another length is Megatron's assert, not a refusal (before: the refusal, as for 32 types)
@@ -369,6 +371,96 @@ def test_context_parallel_comm_types():
     # for q and k: 8 KV heads over TP 2 leave 4 per rank, not a multiple of CP 8 (seq 8192 = 2 x 8 x 512)
     with pytest.raises(ConfigError, match="cp.comm.type.*multiples of the all-to-all.s 8 ranks"):
         _a2a_cp8(fp8[:4])
+
+
+# --cp-comm-type all_gather under TE 2.15.0 .. 2.20.2 (megatron-core 0.19.2's default TE, or MEMGUARD_TE_VERSION)
+AG_TE = [("0.19.2", None), ("0.16.1", {"MEMGUARD_TE_VERSION": "2.15.0"})]
+
+
+@pytest.mark.parametrize("version,env", AG_TE)
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_all_gather_attention_saved_by_hand(recipe, version, env):
+    # TE 2.15.0 / 2.20.2 context_parallel.py AttnFuncWithCPAndKVAllGather.forward, ctx.fp8 branch: q_fp8_save,
+    # k_fp8_save, v_fp8_save wrap the FP8 data of q, k, v (combine_and_quantize, qkv_group 3: views of one FP8
+    # buffer of [TC, (a + 2 g) d] bytes + a 512 B scale); fp8_tensors = (q, k, v, out_fp8) under delayed scaling,
+    # (q, k, v, None) + f16_tensors (.., out_f16) under Float8CurrentScaling with NVTE_DPA_FP8CS_O_in_F16=1 (out_f16 is
+    # the tensor returned to linear_proj); softmax_lse_per_step: one fp32 statistic for each half of the TC query
+    # tokens ("softmax_lse_per_step[i], rng_states[i] = aux_ctx_tensors"). k_ag / v_ag (gathered) are not saved
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2",
+           "--cp-comm-type", "all_gather"]
+    L = lay(*fp8, fp8_dot_product_attention=True, version=version, env=env)
+    assert L.fp8_spec.fp8_dot_product_attention and L.cp_kv_all_gather
+    assert any("all_gather" in n and "2.15" in n for n in L.notes)
+    bf16_att = layer_activations(lay(*fp8, version=version, env=env)).saved
+    got = layer_activations(L).saved
+    assert bf16_att["query_rope"] == 2 * Q and "query_rope" not in got
+    assert bf16_att["cp_kv_buffer"] == 2 * KV and "cp_kv_buffer" not in got
+    assert got["fp8_attention_qkv"] == TC * QKV_W + 512 == W + 512
+    assert got["softmax_stats"] == STATS
+    assert got["proj_input"] == (Q + 512 if recipe == "delayed" else 2 * Q)
+    assert "cp_a2a_attention_output" not in got                  # no out_part on this path
+    delta = sum(got.values()) - sum(bf16_att.values())
+    # delayed: W + Q (+ two scales) instead of 2 Q (q) + 2 KV (ring buffer) + 2 Q (output): -3 Q - 2 KV + W = -2 Q - KV;
+    # tensorwise keeps the BF16 output: -Q - KV. Llama-3.1-8B TP 2 CP 2 seq 8192: -20 MiB / -12 MiB per layer
+    assert delta == (-2 * Q - KV + 1024 if recipe == "delayed" else -Q - KV + 512)
+    assert -delta // 2 ** 20 == (19 if recipe == "delayed" else 11)      # (the scales: just under 20 / 12 MiB)
+
+
+@pytest.mark.parametrize("version,env", AG_TE)
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_all_gather_attention_working_sets_by_hand(recipe, version, env):
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = lay("--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2",
+            "--cp-comm-type", "all_gather", fp8_dot_product_attention=True, version=version, env=env)
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    delayed = recipe == "delayed"
+    cp = 2
+    alive = 2 * Q + KV                       # Megatron's rope'd BF16 q and v made contiguous (FusedAttention.forward)
+    assert f.fwd_steps[0][1] == alive + 2 * W + W + 512            # combine_and_quantize
+    # gather_along_first_dim of the FP8 k, v ([cp x TC, g, d] each) and their index_select'ed copies (k_ag, v_ag,
+    # alive to the end); per step (two streams) q.select(..).contiguous() (Q / 2), the K/V slice of the widest step
+    # (rank 0's chunk 2 CP - 1: the whole gathered K/V) made contiguous, both steps' BF16 out_per_step and out_f16,
+    # the statistics; delayed: a step's FP8 output before its dequantization; TE 2.18.0 on (2.20.2 here, not 2.15.0):
+    # "out = torch.zeros(o_shape, dtype=fwd_nominal_dtype, ...)", THD's accumulator made for sbhd too (BF16, Q)
+    zeros = 2 * Q if env is None else 0
+    steps = cp * KV + Q // 2 + cp * KV + 2 * Q + 2 * Q + zeros + STATS + (Q // 2 if delayed else 0)
+    assert f.fwd_steps[1][1] == alive + steps
+    # backward: dout (BF16) and dout_fp8, dq (torch.empty BF16), dk / dv torch.zeros of cp x TC rows (BF16), k_ag /
+    # v_ag gathered again (FP8); per step the contiguous halves of q, out (FP8 delayed, BF16 tensorwise), dO and the
+    # K/V slice; dq/dk/dv_per_step (BF16) of both steps to the end: dq halves (Q) and K/V slices of chunks r and
+    # 2 CP - r - 1 ((2 CP + 1) / 2 local K/V); delayed: the step's FP8 dq/dk/dv before .dequantize
+    held = 2 * Q + Q + 2 * Q + 2 * cp * KV
+    collected = 2 * Q + 2 * (2 * cp + 1) * KV // 2
+    step = Q // 2 + cp * KV + (1 if delayed else 2) * Q // 2 + Q // 2 + ((Q // 2 + cp * KV) if delayed else 0)
+    # at the end: index_select of dk, then dv (BF16, cp x TC rows: dk's gathered copy freed when replaced, so one
+    # more half of the accumulators), then reduce_scatter's TC-row outputs (2 KV bytes: less); the steps peak here
+    end = cp * KV
+    assert step > end
+    ag = held + cp * KV + collected + max(step, end)
+    bf16_ring = 2 * Q + 3 * 2 * Q + 10 * KV + STATS                # attention.py _cp_attention_items' backward
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ag - bf16_ring, 0, 0]
+    assert "fp8_attention_qkv" in f.bwd_steps[2][0] and "cp_kv_buffer" not in f.saved
+
+
+def test_all_gather_attention_with_core_attention_recompute():
+    # core_attn recompute: saved tensors unchanged; the backward's replay keeps the FP8 q, k, v, the statistics, the
+    # BF16 output returned and (delayed) the FP8 output through AttnFuncWithCPAndKVAllGather.backward
+    args = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2",
+            "--cp-comm-type", "all_gather", "--recompute-granularity", "selective"]
+    L = lay(*args, fp8_dot_product_attention=True, version="0.19.2")
+    assert layer_activations(L).saved == layer_activations(lay(*args, version="0.19.2")).saved
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    m = attention(L, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    cp = 2
+    kept = (W + 512) + STATS + 2 * Q + (Q + 512)
+    held = 2 * Q + Q + 2 * Q + 2 * cp * KV
+    ag = held + cp * KV + (2 * Q + (2 * cp + 1) * KV) + (Q // 2 + cp * KV + Q // 2 + Q // 2 + Q // 2 + cp * KV)
+    bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ag - bf16, 0, 0]
 
 
 def _a2a_cp8(fp8):

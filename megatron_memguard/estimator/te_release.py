@@ -12,7 +12,11 @@ What changes between the releases read (TE 2.11.0 to 2.20.2 wheels, ``attention/
   two (M and ZInv; ``cpp_extensions/fused_attn.py`` docstring "ZInv ... only allocated for T3HD path",
   ``context_parallel.py`` unpacks ``softmax_lse_per_step, rng_states = aux_ctx_tensors``); MXFP8 attention and
   ``NVTE_DPA_FP8_RECIPE=MXFP8BlockScaling`` appear; the CP ring casts its fp32 output to a BF16 ``out_part``
-  before the all-to-all, and its backward exchanges dO alone (2.11 to 2.14.1: ``[out, dout]``).
+  before the all-to-all, and its backward exchanges dO alone (2.11 to 2.14.1: ``[out, dout]``); the all-gather
+  CP path (``AttnFuncWithCPAndKVAllGather``) takes ``fp8`` and runs FP8 attention on FP8 q, k, v with the K/V
+  gathered in FP8 (2.11 to 2.14.1: ``attn_forward_func_with_cp`` hands it no ``fp8``, the attention runs in BF16).
+* 2.18: that all-gather forward also makes a zeroed BF16 output (``out = torch.zeros(o_shape, ...)``, THD's
+  accumulator) whatever the format, alive to its end next to ``out_f16``.
 * 2.20: the p2p ring keeps two K/V buffers and partial outputs (``p2p_comm_buffers = [None, None]``) instead of
   one per CP step (2.19.0 still keeps them all).
 * 2.17: flash-attn 2 runs MLA on padded head dims (``_pad_qkv_head_dim``; 2.16.1 still drops it, "does not support
@@ -36,6 +40,8 @@ TE_FOR_LATER_CORES = "2.20.2"  # the release the later cores were read against
 
 ONE_SOFTMAX_STAT_SINCE = "2.15"     # FP8 attention: one fp32 statistic (earlier: M and ZInv)
 RING_OUT_PART_SINCE = "2.15"        # CP ring: the BF16 out_part, dO-only exchange
+AG_FP8_SINCE = "2.15"               # CP all_gather: FP8 attention (earlier: BF16, no fp8 argument)
+AG_OUT_ZEROS_SINCE = "2.18"         # CP all_gather: a BF16 ``out = torch.zeros(o_shape)`` (THD's) made for every format
 RING_TWO_BUFFERS_SINCE = "2.20"     # CP ring: two K/V buffers / partial outputs in flight
 BACKEND_RULES_2202_SINCE = "2.12"   # attention backend rules read in 2.20.2 (earlier: 2.11's)
 MLA_FLASH_PAD_SINCE = "2.17"        # flash-attn 2 on MLA: head dims padded (earlier: flash dropped)

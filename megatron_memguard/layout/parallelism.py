@@ -44,6 +44,9 @@ class Parallelism:
     # cp_attention, from --cp-comm-type and --hierarchical-context-parallel-sizes): 1, the p2p ring over all CP
     # ranks (or all_gather); CP, a2a (AttnFuncWithCPAndQKVOA2A); between, a2a+p2p over two levels
     cp_a2a_size: int = 1
+    # --cp-comm-type all_gather with FP8 attention asked for (resolve/shape.py cp_attention): Transformer Engine's
+    # AttnFuncWithCPAndKVAllGather, FP8 from TE 2.15 (estimator/layers/fp8_attention.py fp8_all_gather_attention)
+    cp_kv_all_gather: bool = False
 
     @property
     def tp(self) -> int:

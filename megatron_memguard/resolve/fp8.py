@@ -11,8 +11,8 @@ from packaging.version import Version
 
 from ..errors import NO_TE_BACKEND, NotModelledError
 from ..numbers import shown
-from ..estimator.te_release import (DPA_RECIPE_VAR, ONE_SOFTMAX_STAT_SINCE, TE_VERSION_VAR, attention_recipe,
-                                    dpa_recipe_problem, te_at_least, te_version_text)
+from ..estimator.te_release import (AG_FP8_SINCE, DPA_RECIPE_VAR, ONE_SOFTMAX_STAT_SINCE, TE_VERSION_VAR,
+                                    attention_recipe, dpa_recipe_problem, te_at_least, te_version_text)
 from .args import Args, Context
 from .shape import CP_COMM_TYPES
 
@@ -304,8 +304,8 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
     """FP8 attention with context parallelism: whether Transformer Engine runs it in FP8 (False: BF16). Its
     all-to-all ranks are the BF16 attention's (``cp_a2a_size``, resolve/shape.py ``cp_attention``, with TE's heads
     rule); sized by estimator/layers/fp8_attention.py. TE 2.11 ``context_parallel.py`` ``attn_forward_func_with_cp``
-    hands ``fp8`` to the p2p and a2a paths only; ``utils.py`` ``get_attention_backend`` has no backend for FP8 MLA
-    under CP."""
+    hands ``fp8`` to the p2p and a2a paths only (from TE 2.15.0 to the all_gather path too: ``AG_FP8_SINCE``);
+    ``utils.py`` ``get_attention_backend`` has no backend for FP8 MLA under CP."""
     key = a.key(dest)
     raw = a.get("cp_comm_type") or ["p2p"]
     items = list(raw) if isinstance(raw, (list, tuple)) else [raw]
@@ -321,18 +321,27 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
                     "has no attention backend for FP8 MLA with CP)")
         return False
     if comm == {"all_gather"}:
-        # AttnFuncWithCPAndKVAllGather takes no fp8 argument: its kernels run in BF16
-        a.notes.append(f"{key}: no effect with --cp-comm-type all_gather (Transformer Engine's all-gather context "
-                       "parallelism runs BF16 attention): attention is estimated in BF16")
-        return False
+        te = te_version_text(a.raw.env, str(ctx.version))
+        if not te_at_least(a.raw.env, str(ctx.version), AG_FP8_SINCE):
+            # TE 2.11 to 2.14.1: AttnFuncWithCPAndKVAllGather takes no fp8 argument, its kernels run in BF16
+            a.notes.append(f"{key}: no effect with --cp-comm-type all_gather under Transformer Engine {te} (its "
+                           "all-gather context parallelism runs BF16 attention before 2.15): attention is estimated "
+                           "in BF16")
+            return False
+        # TE 2.15.0 on (to 2.20.2): attn_forward_func_with_cp hands fp8 to AttnFuncWithCPAndKVAllGather, which
+        # gathers the FP8 K/V (estimator/layers/fp8_attention.py fp8_all_gather_attention)
+        a.notes.append(f"{key}: with --cp-comm-type all_gather Transformer Engine {te} runs FP8 attention on the K/V "
+                       "gathered in FP8 (from 2.15; before it, BF16)")
+        return True
     if len(comm) > 1 or not comm <= {"p2p", "a2a", "a2a+p2p"}:
         # per-layer communication types (a list of several; with a2a or a2a+p2p among them resolve/shape.py refuses the
         # list for BF16 attention too): p2p and all_gather layers would differ in more than the CP exchange, FP8 ring
         # attention in the first, BF16 attention in the second, and memguard's layer kinds carry one attention
         # precision per model part (partition.py), not one per CP type
         raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
-                               "(one communication type per layer: the all_gather layers run BF16 attention, the p2p "
-                               "ones FP8; each type alone is sized)")
+                               "(one communication type per layer: the all_gather and p2p layers run different "
+                               "FP8 attention functions, or BF16 and FP8 before Transformer Engine 2.15; each type "
+                               "alone is sized)")
     # a2a+p2p over two levels: TE 2.11's (core 0.16) and TE 2.20.2's (core >= 0.17) AttnFuncWithCPAndKVP2P with
     # cp_size_a2a > 1 are both sized (estimator/layers/fp8_attention.py fp8_ring_attention)
     return True

@@ -121,6 +121,11 @@ def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
                                "its own type)")
     if comm == {"a2a"}:
         a2a = cp
+    elif comm == {"all_gather"}:
+        # AttnFuncWithCPAndKVAllGather: BF16 attention is sized as the ring (the layout is unchanged); FP8 attention
+        # there follows the run's TE (resolve/fp8.py _ring_attention, estimator/layers/fp8_attention.py)
+        fp8_attn = a.bool_arg("fp8_dot_product_attention", False) or a.bool_arg("fp8_multi_head_attention", False)
+        return dict(cp_kv_all_gather=True) if fp8_attn else {}
     elif comm == {"a2a+p2p"}:
         sizes = a.get("hierarchical_context_parallel_sizes")
         try:

@@ -34,7 +34,7 @@ from typing import Mapping
 
 from ...layout import Layout
 from ..fp8 import _alloc, quantized_tensor
-from ..te_release import attention_recipe, fp8_softmax_stats
+from ..te_release import AG_OUT_ZEROS_SINCE, attention_recipe, fp8_softmax_stats, te_at_least
 from .attention import _gated
 from .base import MixerActivations, Shapes, shapes
 from .cp_attention import a2a_peak
@@ -92,6 +92,8 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
             return mxfp8_ring_attention(L, mixer)
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
+        if L.cp_kv_all_gather:                        # resolve/fp8.py keeps FP8 here from TE 2.15 only
+            return fp8_all_gather_attention(L, mixer)
         return fp8_ring_attention(L, mixer, a2a)
     recipe = dpa_recipe(L)
     if recipe == "mxfp8":
@@ -310,6 +312,113 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
             w += ring_bwd - bf16_ring_bwd
         elif "softmax_stats" in rel:
             rel = rel | {"fp8_attention_qkv", "fp8_attention_output", "cp_kv_buffer", "cp_a2a_attention_output"}
+        bwd.append((rel, w))
+    return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
+
+
+def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+    """FP8 attention (delayed / tensorwise) under context parallelism with ``--cp-comm-type all_gather``: Transformer
+    Engine's ``AttnFuncWithCPAndKVAllGather`` with ``fp8``, which ``attn_forward_func_with_cp`` hands it from TE 2.15.0
+    (2.11 to 2.14.1: no ``fp8`` argument, BF16 attention; resolve/fp8.py ``_ring_attention``). Read in the TE 2.15.0
+    and 2.20.2 wheels (the same FP8 branches; 2.18 / 2.19 add THD and load-balancing options around them).
+
+    Saved (``ctx.fp8``): q, k, v in FP8 (``q_fp8_save`` etc. wrap ``q_fp8._data``: views of combine_and_quantize's one
+    FP8 buffer ``[Tf, (a + 2 g) d]``, layout sbhd_sbhd_sbhd; k and v are already sequence-first, ``contiguous()``
+    copies nothing: ``fp8_attention_qkv``), one fp32 statistic per step (two steps of s/(2 CP) query tokens: the
+    ring's ``[b, a, s]`` bytes, ``softmax_stats``), and the output: FP8 under delayed scaling (``out_fp8 =
+    O_quantizer(out_f16)``), the BF16 one returned (linear_proj's ``proj_input``) under tensorwise
+    (``NVTE_DPA_FP8CS_O_in_F16=1``). Neither the gathered K/V nor the BF16 q are saved: no ``cp_kv_buffer``.
+
+    Forward working set: combine_and_quantize (BF16 concatenation and its FP8 copy), then K and V gathered over CP
+    in FP8 (``gather_along_first_dim``, then ``index_select`` for the chunk order: ``cp x`` the local K/V, 1.5 times
+    that while the second copy is made), kept to the function's end; per step (two, on two streams) a contiguous
+    half of q and the K/V slice it sees (causal, DualChunkSwap: up to the whole gathered K/V on CP rank 0), both
+    steps' BF16 partial outputs (delayed: each first in FP8) and ``out_f16``; from TE 2.18 also a zeroed BF16 output
+    (``out = torch.zeros(o_shape)``, THD's accumulator, made for sbhd too: ``AG_OUT_ZEROS_SINCE``).
+
+    Backward working set: dO handed in (BF16) and its FP8 copy, BF16 dq and the gathered BF16 dK/dV accumulators
+    (``torch.zeros((k_shape[0] * cp_size, ...))``), K/V gathered again in FP8; per step the contiguous halves of q,
+    out, dO and the K/V slice, each step's BF16 dq/dk/dv kept in ``dq_per_step`` etc. to the end (delayed: FP8 first,
+    then dequantized); at the end the chunk reorder of dK/dV (``index_select``, one at a time) and their
+    reduce-scatter."""
+    from .attention import _cp_attention_items, qkv_out_per_rank
+    saved = mixer.saved
+    x = shapes(L)
+    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
+    recipe = dpa_recipe(L)
+    delayed = recipe == "delayed"
+    gated = _gated(L) == 2
+    core = 2 if gated else 1                           # the core attention's backward step
+    Q = Tf * x.a_t * d                                 # q (and the output) elements
+    KV = 2 * Tf * x.g_t * d                            # local k and v elements (FP8: bytes)
+    W = Q + KV
+    stats = fp8_softmax_stats(L.env_dict, L.megatron_version) * x.b * x.a_t * x.s * 4   # one from TE 2.15
+    qkv8 = quantized_tensor(recipe, Tf, W // Tf, rowwise=True, columnwise=False).allocated
+    out8 = quantized_tensor(recipe, Tf, Q // Tf, rowwise=True, columnwise=False).allocated
+    q, kv1 = Q * e, Tf * x.g_t * d * e
+    rope = L.position_embedding_type in ("rope", "yarn")
+    _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
+    ob = 1 if delayed else e                           # bytes per element of the saved output
+    gathered = cp * KV                                 # k_ag, v_ag in FP8 (index_select'ed copies)
+    gather_peak = gathered + gathered // 2             # the gathered v and its reordered copy next to k's
+    step_kv = cp * KV                                  # the widest step's K/V slice (chunk 2 CP - 1)
+    # forward: the steps' inputs (q half, K/V slice), both BF16 partial outputs, out_f16 (delayed: a step's FP8 output
+    # before its dequantization), the statistics
+    zeros = e * Q if te_at_least(L.env_dict, L.megatron_version, AG_OUT_ZEROS_SINCE) else 0   # TE >= 2.18: ``out``
+    fwd_steps = gathered + Q // 2 + step_kv + e * Q + e * Q + zeros + stats + (Q // 2 if delayed else 0)
+    fwd_end = gathered + 2 * e * Q + zeros + stats + (out8 if delayed else 0)
+    # backward: dO (BF16, FP8), dq (BF16) and the gathered dK/dV (BF16) held throughout
+    held = e * Q + Q + e * Q + e * gathered
+    # each step's BF16 dq/dk/dv collected to the end: dq's halves, and the two steps' K/V slices (chunks r and
+    # 2 CP - r - 1: (2 CP + 1) / 2 local K/V together, every rank)
+    collected = e * Q + e * (2 * cp + 1) * KV // 2
+    step_in = Q // 2 + step_kv + ob * Q // 2 + Q // 2   # contiguous halves of q, out, dO and the K/V slice
+    step_fp8 = (Q // 2 + step_kv) if delayed else 0    # delayed: the step's FP8 dq/dk/dv before dequantization
+    ag_bwd = held + max(gather_peak,
+                        gathered + collected + step_in + step_fp8,
+                        # the end: dK's reordered copy (the gathered one freed), dV's next to its gathered one;
+                        # reduce_scatter's outputs (e KV) are no more than half of that
+                        gathered + collected + e * gathered // 2)
+    (names, _), *rest = mixer.fwd_steps
+    combine = W * e + qkv8                             # combine_and_quantize: BF16 concatenation, its FP8 copy
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); the backward's replay
+        # keeps what the FP8 forward saves (and the BF16 output it returns) through the function's backward
+        kept = qkv8 + stats + e * Q + (out8 if delayed else 0)
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
+        fwd = ((names, kv1 + combine), (names, kv1 + qkv8 + max(gather_peak, fwd_steps, fwd_end)))
+        bwd = tuple((rel, w + kept + ag_bwd - bf16 if i == core else w)
+                    for i, (rel, w) in enumerate(mixer.bwd_steps))
+        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+    dropped = {n: saved[n] for n in _BF16_RING_INPUTS if n in saved}
+    new: dict[str, int] = {}
+    for name, b in saved.items():
+        if name in dropped:
+            continue
+        if name == "cp_kv_buffer":
+            new["fp8_attention_qkv"] = qkv8            # the ring's K/V buffer: none here
+            continue
+        if name == "softmax_stats":
+            b = stats
+        elif name == "proj_input" and delayed:
+            if _bf16_output_kept(L, gated):
+                # the gate (gate_attention_output) or linear_proj (proj_input) keeps the BF16 output
+                new["fp8_attention_output"] = out8
+            else:
+                b = out8
+        new[name] = b
+    alive = sum(dropped.values()) + kv1                # + v made contiguous (FusedAttention.forward)
+    first = names | {"fp8_attention_qkv", "softmax_stats", "fp8_attention_output"}
+    fwd = (
+        (first, alive + combine),
+        (names | {"fp8_attention_output"}, alive + max(gather_peak, fwd_steps, fwd_end)),
+    )
+    bwd = []
+    for i, (rel, w) in enumerate(mixer.bwd_steps):
+        if i == core:
+            w += ag_bwd - bf16_ring_bwd
+        elif "softmax_stats" in rel:
+            rel = rel | {"fp8_attention_qkv", "fp8_attention_output"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
 
