@@ -340,6 +340,8 @@ def test_context_parallel_comm_types():
     for version, env in (("0.16.1", None), ("0.19.2", {"MEMGUARD_TE_VERSION": "2.14.1"})):
         L = lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True, version=version, env=env)
         assert not L.fp8_spec.fp8_dot_product_attention and any("all_gather" in n for n in L.notes)
+        assert not L.cp_kv_all_gather         # BF16 attention: the layout does not mark the FP8 all-gather path
+    assert lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True).cp_kv_all_gather
     # AttnFuncWithCPAndQKVOA2A takes fp8 (sized below)
     L = lay(*fp8, "--cp-comm-type", "a2a", fp8_dot_product_attention=True)
     assert L.fp8_spec.fp8_dot_product_attention and L.cp_a2a_size == 2

@@ -54,6 +54,15 @@ def _word(v: Any) -> Any:
 
 
 def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
+    v = _fp8(a, kw, ctx)
+    if kw.get("cp_kv_all_gather") and not v.get("fp8_dot_product_attention"):
+        # shape.py marks the all-gather CP path where FP8 attention is asked for; where it is not kept (no FP8, TE
+        # before 2.15, NVTE_DPA_FP8_RECIPE=F16) the layout says so too
+        v = {**v, "cp_kv_all_gather": False}
+    return v
+
+
+def _fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     # formats and recipes are compared as written: megatron-core tests them with == (fp8_utils.get_fp8_recipe: 'E4M3
     # and HYBRID are the only supported FP8 formats' for 'HYBRID'; fp4_utils.get_fp4_recipe), so 'HYBRID' or
     # 'Delayed' fail at start-up and are refused here (rule_violations), not read as the lower-case value
