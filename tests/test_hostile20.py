@@ -54,3 +54,18 @@ def test_held_out_scheme_is_named():
     assert len(folds) == 10 and sorted(x for f in folds for x in f) == names
     assert folds[0] == ["r000", "r010", "r020", "r030", "r040"]
     assert core._folds(names[:30]) == [[x] for x in names[:30]]
+
+
+def test_left_t_is_the_micro_batches_still_held():
+    from megatron_memguard import schedule
+    # VPP 3, groups of 2, m = 5 (get_schedule_table: chunk 0 takes micro-batches 0-1, chunk 1 0-1, chunk 2 0-1, then
+    # 2-3 likewise, then the partial group of 1); backwards take the chunks last first. Per chunk, after the backwards
+    # of the first 2 positions chunk 2 has released 2 of its 5; after 7, chunks 2, 1, 0 released micro-batches 0-1
+    # and chunk 2 also 2; after 13, all but micro-batch 4 and chunk 2 that one too; after all 15 none is held
+    assert schedule._left_t(0, 3, 5, 2) == (5, 5, 5)
+    assert schedule._left_t(2, 3, 5, 2) == (5, 5, 3)
+    assert schedule._left_t(7, 3, 5, 2) == (3, 3, 2)
+    assert schedule._left_t(13, 3, 5, 2) == (1, 1, 0)
+    assert schedule._left_t(15, 3, 5, 2) == (0, 0, 0)
+    for a in range(16):                 # and m less _counts, reversed, everywhere
+        assert schedule._left_t(a, 3, 5, 2) == tuple(5 - c for c in reversed(schedule._counts(a, 3, 5, 2)))
