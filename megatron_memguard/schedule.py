@@ -140,6 +140,27 @@ def _counts_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
     return tuple(_counts(a, vpp, m, group))
 
 
+def _left_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
+    """The micro-batches each chunk still holds after the backwards of the first ``a`` positions: m less _counts(a),
+    reversed (backwards run the chunks last first), built by tuple repetition as _counts is (the first stage's
+    cool-down takes one per pass: a comprehension over the chunks made it cost about VPP**2)."""
+    P = vpp * group
+    full = (m // group) * P
+    if a <= full:
+        j, o = divmod(a, P)
+        base, size = j * group, group
+    else:
+        q = m - (m // group) * group
+        if not q:
+            return (0,) * vpp
+        o = a - full
+        base, size = m - q, q
+    d, r = divmod(o, size)
+    if d >= vpp:
+        return (m - base - size,) * vpp
+    return (m - base,) * (vpp - d - 1) + (m - base - r,) + (m - base - size,) * d
+
+
 def _table_position(vpp: int, m: int, group: int, chunk: int, nth: int) -> int:
     """The forward-table position of the ``nth`` (1-based) forward of ``chunk`` (get_schedule_table: groups of
     ``group`` micro-batches per chunk, the last group of m % group)."""
@@ -421,10 +442,9 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                 out[warm + 2 * j + 1] = ((False, cb, held, nb), 1, j)
         else:
             for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
-                done = _counts_t(y, vpp, m, group)[::-1]
                 cb = vpp - 1 - _chunk_at(vpp, m, group, y)
-                held = tuple([m - d for d in done])
-                out[warm + 2 * steady + (y - steady)] = ((False, cb, held, done[cb] + 1), 2, y)
+                held = _left_t(y, vpp, m, group)
+                out[warm + 2 * steady + (y - steady)] = ((False, cb, held, m - held[cb] + 1), 2, y)
     # each pass's p2p_units_bound less its idle chunks' pairs, as a x max(receiving) + l x 2 x receiving[the warm-up's
     # last input's chunk] + c: the terms of p2p_tensors_at, each at its largest (the pass's section and direction
     # leave some out):

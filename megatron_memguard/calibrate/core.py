@@ -13,7 +13,8 @@ Per level (allocated, reserved, device; :mod:`.model`), for the constants the ru
    brings within it is a modelling gap: capped, it neither drags the constants nor vetoes them. A fit that
    would need a value beyond a bound is a modelling gap too, reported with the runs that ask for it. A fitted
    shift within ``SIGNIFICANCE`` bootstrap standard errors of the default is noise: the default stays;
-3. leave-one-out: each run is predicted by the constants fitted on the others. The fitted constants
+3. leave-one-out (above ``LOO_MAX`` runs, ``FOLDS``-fold): each run is predicted by the constants fitted on the
+   others. The fitted constants
    replace the defaults only when this held-out error improves the median run and makes no run (modelling
    gaps aside) worse by more than ``GUARD``. Runs that ask for values the guard refuses (two groups a fixed
    offset apart) are reported as inconsistent when nothing better survives.
@@ -94,7 +95,7 @@ class LevelResult:
     def summary(self) -> dict[str, Any]:
         return {"level": self.level, "metric": self.metric, "runs": len(self.runs), "accepted": self.accepted,
                 "median_error_before": self._med(self.before), "median_error_fitted": self._med(self.fitted),
-                "median_error_held_out": self._med(self.held_out),
+                "median_error_held_out": self._med(self.held_out), "held_out_by": held_out_scheme(len(self.runs)),
                 "max_error_before": max(self.before.values(), default=None),
                 "max_error_held_out": max(self.held_out.values(), default=None)}
 
@@ -204,6 +205,33 @@ class _Trial:
 # sources, and a shift a site's runs cannot tell from their own scatter is not evidence against them.
 SIGNIFICANCE = 2.0
 BOOTSTRAP = 64          # resamples of the runs behind each standard error (fixed seed: deterministic)
+# Each refit costs in proportion to the runs, so leave-one-out (a refit per run) and the bootstrap grow with their
+# square. Up to LOO_MAX runs every run is held out alone and BOOTSTRAP resamples are drawn; beyond it the runs are
+# held out FOLDS at a time (k-fold: run i of the sorted names in fold i mod FOLDS) and the resamples are cut so
+# that they draw about BOOTSTRAP x LOO_MAX runs in all (at least BOOTSTRAP_MIN): a 1 MB input (about 290 runs) stays
+# within seconds. The output names the scheme (held_out_scheme).
+LOO_MAX = 30
+FOLDS = 10
+BOOTSTRAP_MIN = 8
+
+
+def bootstrap_resamples(n_runs: int) -> int:
+    """The resamples behind each standard error for ``n_runs`` runs: BOOTSTRAP up to LOO_MAX runs, then fewer."""
+    if n_runs <= LOO_MAX:
+        return BOOTSTRAP
+    return max(BOOTSTRAP_MIN, BOOTSTRAP * LOO_MAX // n_runs)
+
+
+def held_out_scheme(n_runs: int) -> str:
+    """How each run's held-out error is taken: 'leave-one-out' up to LOO_MAX runs, else FOLDS-fold."""
+    return "leave-one-out" if n_runs <= LOO_MAX else f"{FOLDS}-fold"
+
+
+def _folds(names: Sequence[str]) -> list[list[str]]:
+    """The groups of runs held out together (sorted names): one run each up to LOO_MAX runs, else FOLDS folds."""
+    if len(names) <= LOO_MAX:
+        return [[n] for n in names]
+    return [list(names[i::FOLDS]) for i in range(FOLDS)]
 
 
 def _bootstrap_se(rows: Sequence[Row], fit_one: Callable[[list[Row]], Sequence[float]], k: int) -> list[float]:
@@ -219,7 +247,8 @@ def _bootstrap_se(rows: Sequence[Row], fit_one: Callable[[list[Row]], Sequence[f
         return [0.0] * k
     rng = random.Random(19)
     thetas = []
-    while len(thetas) < BOOTSTRAP:
+    want = bootstrap_resamples(len(names))
+    while len(thetas) < want:
         draw = [rng.choice(names) for _ in names]
         drawn = [r for n in draw for r in by[n]]
         if not identifiable(drawn, 0, list(range(1, k))):
@@ -246,8 +275,8 @@ def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], c
     st = [theta0[j] for j in candidates]
     g = guarded_fit(sub, lo, hi, st, sc, GUARD, GAP)
     names_run = sorted({r.run for r in sub})
-    loo = {name: guarded_fit([r for r in sub if r.run != name], lo, hi, st, sc, GUARD, GAP).theta
-           for name in names_run if any(r.run != name for r in sub)}
+    folds = [f for f in _folds(names_run) if any(r.run not in f for r in sub)]
+    loo = [(f, guarded_fit([r for r in sub if r.run not in f], lo, hi, st, sc, GUARD, GAP).theta) for f in folds]
     inliers = {r.run for r in sub if abs(r.error(g.theta)) <= GAP}      # the runs the fit explains
     se = _bootstrap_se([r for r in sub if r.run in inliers], lambda rs: guarded_fit(rs, lo, hi, st, sc, GUARD, GAP).theta,
                        len(candidates))
@@ -257,10 +286,13 @@ def _trial(rows: Sequence[Row], names: Sequence[str], theta0: Sequence[float], c
     for p, j in enumerate(candidates):
         full[j] = theta[p]
     held: dict[str, float] = {}
-    for name, t in loo.items():
-        others = [r for r in sub if r.run != name]
+    for fold, t in loo:
+        out = set(fold)
+        others = [r for r in sub if r.run not in out]
         t = within_guard(others, st, _significant(t, st, se), GUARD, GAP)
-        held[name] = statistics.median(abs(r.error(t)) for r in sub if r.run == name)
+        for name in fold:
+            held[name] = statistics.median(abs(r.error(t)) for r in sub if r.run == name)
+    held = {name: held[name] for name in names_run if name in held}     # (in the runs' order, as before)
     at_bound = [p for p in range(len(candidates))
                 if abs(wanted[p] - theta[p]) > 1e-6 * sc[p] and (wanted[p] < lo[p] or wanted[p] > hi[p])]
     gaps = sorted(n for n, e in held.items() if before[n] > GAP and e > GAP)

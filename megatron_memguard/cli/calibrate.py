@@ -58,6 +58,7 @@ def _pct(e: float | None) -> str:
 
 
 def render(res, out: str | None) -> str:
+    from ..calibrate.core import FOLDS, LOO_MAX, held_out_scheme
     from ..calibrate.model import METRIC_LABELS
     from ..estimator.site import SPEC
     from ..report.text import table
@@ -76,8 +77,10 @@ def render(res, out: str | None) -> str:
                if c.fitted and sm["median_error_held_out"] is not None else "-")
         rows.append([c.name, c.level, str(c.runs), s.format(c.default), s.format(c.value) if c.fitted else "-", err,
                      "fitted" if c.fitted else f"{c.status}: {c.reason}"])
+    # (leave-one-out up to LOO_MAX runs at a level, k-fold beyond: the scheme each level's held-out errors used)
+    scheme = " / ".join(sorted({held_out_scheme(len(lv.runs)) for lv in res.levels})) or "leave-one-out"
     lines.append("constants (runs that show each; defaults -> fitted; the median run's error at its level, defaults -> "
-                 "leave-one-out):")
+                 f"{scheme}):")
     lines.append(table(rows, ["constant", "level", "runs", "default", "fitted", "error", "status"], right=(2, 3, 4, 5)))
     lines.append("")
     rows = []
@@ -90,9 +93,11 @@ def render(res, out: str | None) -> str:
                      mm(sm["median_error_before"], sm["max_error_before"]),
                      mm(sm["median_error_fitted"], max(lv.fitted.values(), default=None)),
                      mm(sm["median_error_held_out"], sm["max_error_held_out"])])
+    without = "without it" if scheme == "leave-one-out" else \
+        f"without it (more than {LOO_MAX} runs: without its tenth of the runs, {FOLDS}-fold)"
     lines.append("levels (median / largest absolute error over runs: defaults, fitted on all runs, each run fitted "
-                 "without it):")
-    lines.append(table(rows, ["level", "compared with", "runs", "defaults", "fitted", "leave-one-out"], right=(2, 3, 4, 5)))
+                 f"{without}):")
+    lines.append(table(rows, ["level", "compared with", "runs", "defaults", "fitted", scheme], right=(2, 3, 4, 5)))
     lines.append("")
     rows = []
     metrics = [m for m in ("steady", "peak_allocated", "peak_reserved", "device_used")
