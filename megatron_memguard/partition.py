@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 MIXER_ATTENTION = "attention"     # megatron-core SelfAttention (standard / grouped-query)
 MIXER_MLA = "mla"                 # MLASelfAttention (multi-latent attention, DeepSeek-V2 style)
 MIXER_DSA = "dsa"                 # AbsorbedMLASelfAttention with DSAttention (DeepSeek sparse attention, V3.2 style)
+# a DSA layer that reuses an earlier layer's top-k (--dsa-indexer-topk-freq > 1): no indexer, no indexer loss
+MIXER_DSA_SHARED = "dsa_shared"
+DSA_MIXERS = frozenset({MIXER_DSA, MIXER_DSA_SHARED})
 MLP_DENSE = "dense"               # megatron-core MLP (linear_fc1, activation, linear_fc2)
 MLP_MOE = "moe"                   # megatron-core MoELayer (router, experts, shared experts)
 # heterogeneous layer configs (resolve/heterogeneous.py): a no-op block (IdentityOp), and the dense MLP
@@ -148,11 +151,40 @@ def _het_kind(word: str, quantized: str | None) -> LayerKind:
     return LayerKind(mixer, mlp, quantized, int(groups) if groups else None)
 
 
+def dsa_skips_topk(layer_number: int, offset: int, freq: int) -> bool:
+    """Whether the 1-indexed DSA layer reuses an earlier layer's top-k (megatron-core 0.19.2 dsa.py
+    is_dsa_skip_topk_layer: offset 0 counts as 1)."""
+    return freq > 1 and max(layer_number - max(offset, 1), 0) % freq != 0
+
+
+def dsa_topk_source(layer_number: int, offset: int, freq: int) -> int:
+    """The computing layer whose top-k a layer reuses (dsa.py source_dsa_compute_layer, 0.19.2)."""
+    first = max(offset, 1)
+    return layer_number if layer_number <= first else layer_number - (layer_number - first) % freq
+
+
+def _dsa_topk_sharing(L: "Layout", runs: tuple[tuple[LayerKind, int], ...]) -> tuple[tuple[LayerKind, int], ...]:
+    """--dsa-indexer-topk-freq > 1: the DSA layers that reuse a top-k (DSAttention.skip_topk, by global layer number,
+    as TransformerLayer and HybridStack number them) become ``dsa_shared``."""
+    freq, offset = L.dsa_indexer_topk_freq, L.dsa_indexer_skip_topk_offset
+    if freq <= 1 or not any(k.mixer == MIXER_DSA for k, _ in runs):
+        return runs
+    kinds = kinds_from_runs(runs)
+    return kind_runs(tuple(k._replace(mixer=MIXER_DSA_SHARED) if k.mixer == MIXER_DSA and dsa_skips_topk(i + 1, offset, freq)
+                           else k for i, k in enumerate(kinds)))
+
+
 @lru_cache(maxsize=256)   # asked by the partition, the MTP and placeholder-gradient terms of one estimate
 def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
     layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
-    (dense and MoE layers), MTP layers and hybrid models make them differ per layer."""
+    (dense and MoE layers), MTP layers, hybrid models and DSA top-k sharing make them differ per layer."""
+    if getattr(L, "dsa_indexer_topk_freq", 1) > 1:
+        return _dsa_topk_sharing(L, _model_kind_runs(L))
+    return _model_kind_runs(L)
+
+
+def _model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     mixer = _mixer(L)
     moe = L.moe
     het = L.heterogeneous_layers
@@ -389,6 +421,8 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
             chunk_runs.append(kr)
         else:
             chunk_runs.append(_runs_between(runs, ends, first, n))
+    if L.dsa_indexer_topk_freq > 1:
+        check_dsa_topk_sharing(L, runs, firsts, counts)
     chunks = []
     add = chunks.append
     last_i = pp * vpp - 1
@@ -400,6 +434,36 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
             add(Chunk(r, i // pp, firsts[i], counts[i], i == 0, last, tied_copy and last, vpp, chunk_runs[i],
                       i == mtp_i))
     return tuple(chunks)
+
+
+def check_dsa_topk_sharing(L: "Layout", runs: tuple[tuple[LayerKind, int], ...], firsts: list[int],
+                           counts: list[int]) -> None:
+    """A layer reusing a top-k needs its source layer earlier in its own model chunk: the top-k is handed over in a
+    dict of the chunk's forward, never sent between pipeline stages. megatron-core 0.19.2 checks it when it builds a
+    GPT model's chunk (experimental_attention_variant_module_specs.py _validate_dsa_index_share_pipeline_split, on the
+    chunk's layer ids: PP and VPP boundaries alike); a hybrid model's 'D' layer raises at its first forward when the
+    source did not run before it (DSAttention.forward), which also holds when the source is no 'D' layer."""
+    kinds = kinds_from_runs(runs)
+    freq, offset = L.dsa_indexer_topk_freq, L.dsa_indexer_skip_topk_offset
+    flags = (f"--dsa-indexer-topk-freq {freq}, --dsa-indexer-skip-topk-offset {offset}, --pipeline-model-parallel-size "
+             f"{L.pipeline_model_parallel_size}" + (f", --virtual-pipeline-model-parallel-size {L.vpp}" if L.vpp > 1 else "")
+             + (", --pipeline-model-parallel-layout" if L.pipeline_model_parallel_layout else ""))
+    for first, n in zip(firsts, counts):
+        for i in range(first, first + max(n, 0)):
+            if kinds[i].mixer != MIXER_DSA_SHARED:
+                continue
+            src = dsa_topk_source(i + 1, offset, freq)
+            if src - 1 < first:
+                raise ConfigError("--dsa-indexer-topk-freq", f"layer {i + 1} reuses the top-k of layer {src}, which is in "
+                                  f"an earlier pipeline stage or virtual stage ({flags}): top-k sharing does not cross "
+                                  "pipeline boundaries (_validate_dsa_index_share_pipeline_split, megatron-core 0.19.2)",
+                                  "split the layers so that every stage starts on a layer that computes its top-k",
+                                  fails_later="model build")
+            if kinds[src - 1].mixer != MIXER_DSA:
+                raise ConfigError("--dsa-indexer-topk-freq", f"'D' layer {i + 1} reuses the top-k of layer {src}, which is "
+                                  f"not a DSA layer ({flags}): DSAttention raises at its first forward",
+                                  "choose --dsa-indexer-topk-freq / --dsa-indexer-skip-topk-offset that land on 'D' layers",
+                                  fails_later="first forward step")
 
 
 def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int,

@@ -8,7 +8,8 @@ gloo rank (TP = CP = 1), in bf16, for the absorbed-MLA layout AbsorbedMLASelfAtt
 states x [s, b, h] and the query latent qr [s, b, q_lora]. The indexer's projections are plain bias-free linears
 (what TE's duplicated Linear computes); its key norm a LayerNorm; Hadamard rotation off (fast_hadamard_transform is a
 CUDA package). Storages are counted by the referee's LiveBytesTracker (livebytes.py). ``measure_attention`` runs
-the whole AbsorbedMLASelfAttention around it (megatron-core's local parallel linears for the MLA projections).
+the whole AbsorbedMLASelfAttention around it (megatron-core's local parallel linears for the MLA projections);
+``measure_shared`` a layer that reuses another's top-k (``--dsa-indexer-topk-freq``).
 
     /work/venv312/bin/python -m benchmarks.referee.dsa_probe [--seq 64 --heads 4 ...] [--no-loss]
     /work/venv312/bin/python -m benchmarks.referee.dsa_probe --grid benchmarks/results/referee-dsa-measured.json
@@ -139,6 +140,78 @@ def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_l
             "loss_coeff": loss_coeff, "sparse_loss": sparse_loss,
             "indexer_params": sum(p.numel() for p in core.parameters()),
             "saved": saved, "fwd_peak": fwd["peak_bytes"] - base, "bwd_peak": bwd["peak_bytes"] - after_grad}
+
+
+def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
+                   kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
+                   index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01) -> dict[str, Any]:
+    """Top-k sharing (``--dsa-indexer-topk-freq 2``): layer 1 computes its top-k, layer 2 reuses it
+    (DSAttention.skip_topk: no indexer). Runs layer 1's forward, then measures layer 2's forward and backward as
+    ``measure`` does, and the top-k the forward hands over (the dict DSAttention hangs on the config when the forward
+    has no attention mask): its bytes, and whether it is still there after both backwards."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
+                                                                              DSAttention, DSAttentionSubmodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from .livebytes import LiveBytesTracker
+
+    Lin, Norm = _init_rank()
+    cfg = MLATransformerConfig(
+        num_layers=2, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
+        qk_head_dim=qk_head, qk_pos_emb_head_dim=rope, v_head_dim=v_head, rope_type="rope", add_bias_linear=False,
+        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
+        dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_topk_freq=2, dsa_indexer_rotate_activation=False,
+        use_cpu_initialization=True)
+    group = dist.group.WORLD
+    pgs = ProcessGroupCollection(tp=group, cp=group)
+    spec = DSAttentionSubmodules(indexer=ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm, linear_weights_proj=Lin)))
+    D = kv_lora + rope
+    cores = [DSAttention(cfg, spec, layer_number=n, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                         softmax_scale=D ** -0.5, k_channels=D, v_channels=kv_lora, cp_comm_type="p2p",
+                         pg_collection=pgs).train() for n in (1, 2)]
+    bf = torch.bfloat16
+
+    def inputs():
+        return (torch.randn(seq, batch, heads, D, dtype=bf, requires_grad=True),
+                torch.randn(seq, batch, 1, D, dtype=bf, requires_grad=True),
+                torch.randn(seq, batch, hidden, dtype=bf, requires_grad=True),
+                torch.randn(seq, batch, q_lora, dtype=bf, requires_grad=True),
+                torch.randn(heads, v_head, kv_lora, dtype=bf, requires_grad=True))
+
+    def run(core, args):
+        query, key, x, qr, up_v = args
+        return core(query, key, None, None, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v)
+
+    first, second = inputs(), inputs()
+    out1 = run(cores[0], first)
+    holder = getattr(cfg, DSAttention._HOLDER_ATTR)
+    shared = holder[1]
+    tracker = LiveBytesTracker(keep_log=False)
+    with tracker:
+        base = tracker.current
+        with tracker.region("fwd"):
+            out2 = run(cores[1], second)
+        saved = tracker.current - base - out2.untyped_storage().nbytes()
+        grad = torch.ones_like(out2)
+        after_grad = tracker.current
+        with tracker.region("bwd"):
+            out2.backward(grad)
+    out1.backward(torch.ones_like(out1))
+    kept = getattr(cfg, DSAttention._HOLDER_ATTR).get(1)
+    return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
+            "rope": rope, "v_head": v_head, "index_heads": index_heads, "index_dim": index_dim, "topk": topk,
+            "loss_coeff": loss_coeff, "skip_layer_params": sum(p.numel() for p in cores[1].parameters()),
+            "topk_bytes": shared.untyped_storage().nbytes(), "topk_dtype": str(shared.dtype),
+            "topk_kept_after_backward": kept is not None and kept.untyped_storage().nbytes(),
+            "saved": saved, "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
+            "bwd_peak": tracker.region_result("bwd")["peak_bytes"] - after_grad}
 
 
 def measure_attention(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
@@ -309,15 +382,25 @@ ATTENTION_CP2_GRID: dict[str, dict[str, Any]] = {
 }
 
 
+# top-k sharing (--dsa-indexer-topk-freq 2): the layer reusing layer 1's top-k
+SHARED_GRID: dict[str, dict[str, Any]] = {
+    "shared_noloss": {"loss_coeff": 0.0},
+    "shared_loss": {},
+    "shared_batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128},
+    "shared_heads8_topk64": {"loss_coeff": 0.0, "heads": 8, "topk": 64},
+}
+
+
 def _add_missing(path: str) -> None:
-    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID / ATTENTION_CP2_GRID entries ``path`` lacks and add them
-    to it (the stored ones stay as they are)."""
+    """Measure the GRID / ATTENTION_GRID / ATTENTION_TP2_GRID / ATTENTION_CP2_GRID / SHARED_GRID entries ``path`` lacks
+    and add them to it (the stored ones stay as they are)."""
     with open(path) as f:
         result = json.load(f)
     for part, grid, run in (("runs", GRID, measure), ("attention", ATTENTION_GRID, measure_attention),
                             ("attention_tp2", ATTENTION_TP2_GRID, lambda **kw: measure_attention_tp(2, **kw)),
                             ("attention_cp2", ATTENTION_CP2_GRID,
-                             lambda tp=1, **kw: measure_attention_tp(tp, **kw))):
+                             lambda tp=1, **kw: measure_attention_tp(tp, **kw)),
+                            ("shared", SHARED_GRID, measure_shared)):
         for name, kw in grid.items():
             if name not in result.setdefault(part, {}):
                 result[part][name] = run(**kw)

@@ -30,7 +30,7 @@ from itertools import repeat
 
 from ..layout import Layout
 from ..layout.layout import _derived
-from ..partition import MIXER_ATTENTION, MIXER_DSA, MIXER_NONE, MLP_DENSE, MLP_MOE, MLP_NONE, LayerKind, uniform_kind
+from ..partition import DSA_MIXERS, MIXER_ATTENTION, MIXER_NONE, MLP_DENSE, MLP_MOE, MLP_NONE, LayerKind, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import _cp_attention_items, _te_keeps_every_cp_step, attention_items, attention_kind  # noqa: F401
 from .layers.base import Shapes, Step, shapes  # noqa: F401
@@ -310,10 +310,10 @@ def _requantized_proj_input(L: Layout, kind: LayerKind, mixer_bwd: tuple) -> tup
     """linear_proj saving its BF16 input (every recipe but delayed, and FP4: ``fp8_layers.proj_saves_original_input``)
     quantizes it again in its backward for the weight gradient: that copy joins linear_proj's step (the mixer's
     first backward step, standard and multi-latent attention)."""
-    from ..partition import MIXER_ATTENTION, MIXER_DSA, MIXER_MLA
+    from ..partition import MIXER_ATTENTION, MIXER_MLA
     from .fp8_layers import layer_gemms, proj_backward_input, proj_saves_original_input
     spec = L.fp8_spec
-    if kind.mixer not in (MIXER_ATTENTION, MIXER_MLA, MIXER_DSA) or not mixer_bwd or not proj_saves_original_input(spec):
+    if kind.mixer not in (MIXER_ATTENTION, MIXER_MLA, *DSA_MIXERS) or not mixer_bwd or not proj_saves_original_input(spec):
         return mixer_bwd
     proj = next((g for g in layer_gemms(L, kind) if g.name == "linear_proj"), None)
     if proj is None:
@@ -329,8 +329,8 @@ def _recomputed_mla_norm(L: Layout, kind: LayerKind, mods: set) -> bool:
     ``absorbed_mla.py``): ``set_save_original_input`` on linear_q_down_proj (with ``--q-lora-rank``) and
     linear_kv_down_proj, which keep that BF16 output (discarded: nothing) instead of a quantized copy. Delayed
     scaling is refused with it (TransformerConfig)."""
-    from ..partition import MIXER_DSA, MIXER_MLA
-    return kind.mixer in (MIXER_MLA, MIXER_DSA) and "layernorm" in mods
+    from ..partition import MIXER_MLA
+    return (kind.mixer == MIXER_MLA or kind.mixer in DSA_MIXERS) and "layernorm" in mods
 
 
 def _requantized_down_proj_input(L: Layout, kind: LayerKind, mods: set, mixer_bwd: tuple) -> tuple:
@@ -359,7 +359,7 @@ def _quantized(L: Layout, kind: LayerKind, saved: dict[str, int], fwd_steps: tup
     non_tn = non_tn_gpu(getattr(L, "fp8_gpu", None) or "")
     over = saved_overrides(L.fp8_spec, module_gemms(L, layer_gemms(L, kind)), saved, act_bytes=e,
                            fc1_output_elements=saved.get("fc1_output", 0) // e, non_tn=non_tn)
-    if kind.mixer == MIXER_DSA:
+    if kind.mixer in DSA_MIXERS:
         # DSA's separate latent norms, its indexer's linears, a checkpointed core's BF16 inputs (fp8_layers.py)
         from .fp8_layers import dsa_saved_overrides
         over.update(dsa_saved_overrides(L.fp8_spec, L, layer_gemms(L, kind), saved, act_bytes=e, non_tn=non_tn))

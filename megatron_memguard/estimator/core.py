@@ -19,13 +19,14 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import (MIXER_ATTENTION, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
+from ..partition import (MIXER_ATTENTION, MIXER_DSA, MIXER_DSA_SHARED, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
 from ..schedule import p2p_every_pass, p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
+from .layers import dsa as _dsa
 from .layers import mixer_recipe
 from .layers.base import selective_modules
 from .layers.moe import expert_rows, layer_moe_activations, moe_activations, tokens_per_rank
@@ -414,6 +415,11 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
     elif final_norm:
         # the final norm of a stage without the loss (MTP with a layout string): its input and statistics
         ends.update({k: v for k, v in output_items(L).saved.items() if k in _FINAL_NORM_ITEMS})
+    holder = _dsa_topk_holder(L, runs, mtp_here)
+    if holder and has_batch and L.create_attention_mask_in_dataloader:
+        # DSA top-k sharing: the computing layers' top-k hang on the batch's attention mask, alive until the
+        # micro-batch's forward step returns (layers/dsa.py topk_holder_bytes; without the mask: _persistent_buffers)
+        fwd_extra += holder
     if L.freeze_all_layers and has_embedding:
         # --freeze-all-layers: nothing of the first chunk of the first stage requires grad (its input is token ids),
         # so its forward records no graph and saves nothing, and its backward does not run. What training keeps
@@ -778,9 +784,20 @@ BufferRow = tuple[str, int, str, str, str]
 
 
 @lru_cache(maxsize=1024)
+def _dsa_topk_holder(L: Layout, runs: tuple[tuple[LayerKind, int], ...], mtp_here: bool) -> int:
+    """The top-k a chunk's DSA layers hand over under top-k sharing (--dsa-indexer-topk-freq > 1): one per computing
+    layer, its MTP depths' included (layers/dsa.py topk_holder_bytes); 0 without sharing."""
+    if L.dsa_indexer_topk_freq <= 1:
+        return 0
+    n = sum(k for kind, k in runs if kind.mixer == MIXER_DSA)
+    if mtp_here:
+        n += mtp_layers_built(L) * sum(k for kind, k in mtp_stack_runs(L) if kind.mixer == MIXER_DSA)
+    return _dsa.topk_holder_bytes(L, n) if n else 0
+
+
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
                         received: int | None = None, input_folds: tuple[int, ...] = (),
-                        moe_first_received: int = 0) -> tuple[BufferRow, ...]:
+                        moe_first_received: int = 0, batch_chunks: tuple[bool, ...] = ()) -> tuple[BufferRow, ...]:
     """Buffers created on first use and kept: megatron's GlobalMemoryBuffer, cached rotary tables, the
     retained pipeline inputs. ``receiving``: the stage's chunks that get their input from a previous stage;
     ``stage_runs``: the kind runs of each of its chunks (the mixer's rotary tables: MLA keeps one per layer);
@@ -788,7 +805,8 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     get, in [s/CP, b, h] units (None: ``receiving``; after a standalone MTP stage 1 + D each); ``input_folds``: the
     length of each of its chunks' inputs in sequences (1; 1 + D on a chunk after a standalone MTP stage; (): 1 each);
     ``moe_first_received``: its receiving chunks whose received input is the input of an MoE layer whose dispatcher
-    keeps that input under the combined 1F1B schedule (_moe_buffers).
+    keeps that input under the combined 1F1B schedule (_moe_buffers); ``batch_chunks``: whether each of its chunks
+    reads the batch (the attention mask DSA top-k sharing hangs its top-k on; the others hang them on the config).
 
     megatron's own linear layers all-gather their sequence-parallel input into the GlobalMemoryBuffer
     ("mpu"), and its DotProductAttention takes the baddbmm input buffer [b*a, s, s] from the same
@@ -830,7 +848,8 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
     uniform = uniform_kind(L)
     mixer = uniform.mixer
     layers = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == mixer)
-    rotary = mixer_recipe(uniform).rotary_cache(L, layers)
+    shared = sum(n for runs in stage_runs for kind, n in runs if kind.mixer == MIXER_DSA_SHARED)
+    rotary = mixer_recipe(uniform).rotary_cache(L, layers, shared) if shared else mixer_recipe(uniform).rotary_cache(L, layers)
     folds = input_folds or (1,) * len(stage_runs)
     if rotary and mixer == MIXER_ATTENTION and sum(folds) > 1:
         # each model chunk is a GPTModel with its own RotaryEmbedding, whose forward's lru_cache is keyed on the
@@ -843,6 +862,17 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
                   + (f" of inputs {', '.join(f'{k} s' for k in folds)}" if set(folds) != {1} else ""))
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
+    if L.dsa_indexer_topk_freq > 1:
+        # the chunks whose forward has no attention mask hang the shared top-k on the TransformerConfig: each computing
+        # layer's latest top-k stays there (DSAttention._get_index_share_carrier, dsa.py 0.19.2)
+        batch = batch_chunks or (False,) * len(stage_runs)
+        mtp = (last if mtp_here is None else mtp_here)
+        held = sum(_dsa_topk_holder(L, runs, mtp and i == len(stage_runs) - 1) for i, (runs, b) in
+                   enumerate(zip(stage_runs, batch)) if not (b and L.create_attention_mask_in_dataloader))
+        if held:
+            rows.append(("dsa_topk_holder", held, "transients", "allocated",
+                         "the latest top-k of each DSA layer computing one, kept on the config for the layers reusing "
+                         "it (--dsa-indexer-topk-freq)"))
     return tuple(rows)
 
 
@@ -1356,6 +1386,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
     # per chunk, the input it gets from a previous stage, in [s/CP, b, h] units: 0 (the first chunk), 1, or 1 + D
     # after a standalone MTP stage (the (1 + D)-fold hidden states it sends on)
     receiving: list[int] = []
+    batch_of: list[bool] = []                 # per chunk, whether it reads the batch (pretrain_gpt.py get_batch)
     mtp_here = False                          # the stage runs the MTP block
     depths = getattr(L, "mtp_num_layers", 0) or 0
     chunk_args: list[tuple] = []
@@ -1373,9 +1404,11 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
             mtp_here = mtp_here or chunk_mtp
             args = (c.kind_runs, c.has_embedding, c.has_output, norm_here, chunk_mtp, held_grad)
             receiving.append(0 if first else 1 + depths if after_mtp(L, c.pp_rank, c.vpp_rank) else 1)
+            batch_of.append(c.has_embedding or c.has_output or chunk_mtp)
         else:
             args = (c.kind_runs, c.has_embedding, c.has_output, norm_here, None, held_grad)
             receiving.append(0 if first else 1)
+            batch_of.append(c.has_embedding or c.has_output)
         acts.append(_chunk_activations(L, *args))
         chunk_args.append(args)
     if L.pp == 1 and L.num_microbatches == 1 and L.moe is not None and L.moe.overlap_moe_expert_parallel_comm:
@@ -1441,7 +1474,7 @@ def _stage_prep(L: Layout, shape: _StageShape, device: str, gpu_name: str | None
         state_bytes, step_bytes = sum([t.bytes for t in state_terms]), sum([t.bytes for t in step_terms])
     buffer_rows = _persistent_buffers(L, pp_rank == L.pp - 1, sum(map(bool, receiving)), stage_runs, mtp_here,
                                       sum(receiving), tuple([max(1, r) for r in receiving]),
-                                      _moe_first_received(L, receiving, stage_runs))
+                                      _moe_first_received(L, receiving, stage_runs), tuple(batch_of))
     # The retained pipeline inputs exist after the schedule (the step, finalize_model_grads, the steady
     # state); during it only where _simulate placed them.
     retained_rows = [r for r in buffer_rows if r[0] == "pipeline_inputs_retained"]
@@ -1908,8 +1941,10 @@ def _with_eval_step(L: Layout, stages: tuple[StageEstimate, ...], preps: dict, d
         # retained pipeline inputs are left out: the chunk's first received eval input replaces its pair
         # (TransformerBlock.set_input_tensor) and is counted as eval_received_input, the other chunks' as
         # eval_other_chunks_inputs
-        train_rows = {r[0]: r[1] for r in _persistent_buffers(L, last, nrecv, runs)}
-        growth = {name: max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs)
+        batch = tuple(c.has_embedding or c.has_output or holds_mtp(L, c) for c in chunks)
+        train_rows = {r[0]: r[1] for r in _persistent_buffers(L, last, nrecv, runs, batch_chunks=batch)}
+        growth = {name: max(0, b - train_rows.get(name, 0)) for name, b, *_ in _persistent_buffers(E, last, nrecv, runs,
+                                                                                                 batch_chunks=batch)
                   if name != "pipeline_inputs_retained"}
         # (on a GPU the pipeline buffer NCCL holds is the eval micro-batch's)
         fixed = in_flight_terms(L, s.pp_rank, pr.fixed_alloc) if device == "gpu" else pr.fixed_alloc

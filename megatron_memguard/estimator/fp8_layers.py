@@ -266,8 +266,8 @@ def layer_gemms(L: Any, kind: Any) -> tuple[Gemm, ...]:
     sh = {**mixer_recipe(kind).linear_shapes(L), **mlp_recipe(kind).linear_shapes(L)}
     gemms = gemms_from_shapes(sh, T=x.T, Tf=x.Tf, tp=L.tensor_model_parallel_size,
                               sequence_parallel=L.sequence_parallel)
-    from ..partition import MIXER_DSA
-    if kind.mixer == MIXER_DSA:
+    from ..partition import DSA_MIXERS
+    if kind.mixer in DSA_MIXERS:
         gemms = dsa_gemms(gemms, x.Tf)
     moe = getattr(L, "moe", None)
     if moe is not None and moe.moe_use_legacy_grouped_gemm:
@@ -307,8 +307,8 @@ def dsa_primary_weights(L: Any, kind: Any) -> tuple[Gemm, ...]:
     (``dsa_gemms``), yet built under fp8_model_init like every TE linear (TE 2.20.2 module/linear.py: its __init__
     calls init_fp8_metadata and reset_parameters makes the weight a quantized tensor), so its weight takes the
     parameter buffer's bytes, TE storage and recipe state of any primary weight (no saved input, no workspace)."""
-    from ..partition import MIXER_DSA
-    if kind.mixer != MIXER_DSA or not L.fp8_spec.primary_weights_quantized:
+    from ..partition import DSA_MIXERS
+    if kind.mixer not in DSA_MIXERS or not L.fp8_spec.primary_weights_quantized:
         return ()
     from .layers import mixer_recipe
     rows, cols = mixer_recipe(kind).linear_shapes(L)["linear_kv_up_proj"]
@@ -359,7 +359,7 @@ def dsa_saved_overrides(spec: Fp8Spec, L: Any, gemms: tuple[Gemm, ...], saved: M
     if "q_latent" in saved and "linear_q_up_proj" in g:
         out["q_latent"] = q("linear_q_up_proj")
     mods = selective_modules(L)
-    if L.dsa_indexer_loss_coeff > 0 and "core_attn" not in mods:
+    if L.dsa_indexer_loss_coeff > 0 and "core_attn" not in mods and "indexer_linear_wk" in g:   # (own indexer)
         out["indexer_inputs"] = sum(q(n) for n in ("indexer_linear_wq_b", "indexer_linear_wk",
                                                    "indexer_linear_weights_proj"))
     if spec.primary_weights_quantized:

@@ -18,7 +18,7 @@ from collections import Counter
 from functools import lru_cache
 
 from ..layout import Chunk, Layout
-from ..partition import HYBRID_KINDS, MIXER_ATTENTION, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, kind_runs, layer_kinds, uniform_kind
+from ..partition import HYBRID_KINDS, MIXER_ATTENTION, MIXER_DSA, MIXER_DSA_SHARED, MIXER_MLA, MLP_DENSE, MLP_MOE, LayerKind, kind_runs, layer_kinds, uniform_kind
 from .layers import kind_layout, mixer_recipe, mlp_recipe
 from .layers.attention import qkv_out_per_rank  # noqa: F401
 from .layers.base import Param, ParamRow, param_objects
@@ -191,6 +191,11 @@ def mtp_layer_kind(L: Layout) -> LayerKind:
     -1 in ``get_fp8_context``), FP4 not at all (multi_token_prediction.py ``_proj_and_transformer_layer``:
     "MTP only use global fp8 context", "currently ignoring FP4 in MTP layers"; core 0.16.1 and 0.19.2)."""
     kind = layer_kinds(L)[-1]
+    if kind.mixer == MIXER_DSA_SHARED:
+        # the spec is the same for every DSA layer: DSAttention decides by its layer number, and an MTP depth numbers
+        # its layer 1, 2, ... (multi_token_prediction.py): the first depth computes its top-k (resolve/dsa.py refuses
+        # the later depths that would reuse one)
+        kind = kind._replace(mixer=MIXER_DSA)
     if L.heterogeneous_layers:
         # megatron/training 0.19.2 models/gpt.py mtp_block_spec takes get_gpt_decoder_layer_specs(...)[-1], the
         # MoE / dense spec of the model's config (not the heterogeneous block spec), and MultiTokenPredictionLayer

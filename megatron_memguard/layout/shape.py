@@ -79,6 +79,12 @@ class ModelShape:
     dsa_indexer_loss_coeff: float = 0.0
     dsa_indexer_use_sparse_loss: bool = False
     dsa_indexer_k_norm_fp32: bool = False     # the indexer's key LayerNorm on an fp32 copy of its input
+    # top-k sharing (--dsa-indexer-topk-freq > 1, dsa.py is_dsa_skip_topk_layer): the layers that reuse an earlier
+    # layer's top-k build no indexer (partition.py gives them the mixer 'dsa_shared'); dsa_skip_topk marks the layout
+    # such a layer's recipe reads (estimator.layers.kind_layout)
+    dsa_indexer_topk_freq: int = 1
+    dsa_indexer_skip_topk_offset: int = 0
+    dsa_skip_topk: bool = False
     # --experimental-attention-variant gated_delta_net (GPT) with --linear-attention-freq: one character per layer,
     # '1' a gated delta net layer, '0' a standard attention layer (experimental_attention_variant_module_specs.py
     # get_linear_attention_pattern, core 0.16.1 and 0.19.2); None: no GDN layers in a GPT model

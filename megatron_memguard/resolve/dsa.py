@@ -5,7 +5,8 @@ linear bias, top-k frequency >= 1, skip offset >= 0; line 2837: no RoPE fusion, 
 communication), get_dsa_module_spec_for_backend (models/gpt/experimental_attention_variant_module_specs.py: MLA only,
 no qk_l2_norm) and AbsorbedMLASelfAttention.__init__ (experimental_attention_variant/absorbed_mla.py: sequence
 parallelism when TP > 1, no MLA latent cache). What memguard models is the PyTorch path of ``--dsa-kernel-backend
-none`` (the default; estimator/layers/dsa.py); the rest is refused by name.
+none`` (the default; estimator/layers/dsa.py), with top-k sharing (``--dsa-indexer-topk-freq`` > 1); the rest is refused
+by name.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from packaging.version import Version
 
 from ..errors import NotModelledError
 from ..numbers import shown
+from ..partition import dsa_skips_topk
 from .args import Args, Context
 
 VARIANT = "experimental_attention_variant"
@@ -63,12 +65,11 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     freq = a.int_arg("dsa_indexer_topk_freq", 1, minimum=-(10 ** 9))
     if freq is not None and freq < 1:
         a.fail("dsa_indexer_topk_freq", f"must be positive, got {freq} (TransformerConfig)")
-    elif freq and freq > 1:
-        raise NotModelledError(a.key("dsa_indexer_topk_freq"), "DSA top-k sharing across layers (the layers that "
-                               "reuse a top-k build no indexer and keep the source layer's indices)")
     offset = a.int_arg("dsa_indexer_skip_topk_offset", 0, minimum=-(10 ** 9))
     if offset is not None and offset < 0:
         a.fail("dsa_indexer_skip_topk_offset", f"must be non-negative, got {offset} (TransformerConfig)")
+    if freq and freq > 1:
+        _topk_sharing(a, kw, freq, max(0, offset or 0))
     backend = str(a.get("dsa_kernel_backend", "none"))
     if backend not in ("none", "tilelang", "cudnn"):
         # (compared as written: dsa_kernels.py tests the Literal with ==)
@@ -122,6 +123,7 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         a.notes.append(f"{a.key('dsa_indexer_scoring_relu')}: estimated with the indexer's ReLU (its loss backward's "
                        "ReLU mask and its fp32 copy are counted: errs high)")
     return dict(experimental_attention_variant=variant, dsa_indexer_n_heads=heads or 0,
+                dsa_indexer_topk_freq=max(1, freq or 1), dsa_indexer_skip_topk_offset=max(0, offset or 0),
                 dsa_indexer_head_dim=head_dim or 0, dsa_indexer_topk=topk or 0,
                 dsa_indexer_loss_coeff=max(0.0, coeff),
                 dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False),
@@ -139,3 +141,23 @@ def _context_parallel(a: Args, kw: Mapping[str, Any], mods: Any) -> None:
                                "context parallelism currently supports cp_comm_type=allgather only\")",
                "add --cp-comm-type all_gather")
         return
+
+
+def _topk_sharing(a: Args, kw: Mapping[str, Any], freq: int, offset: int) -> None:
+    """``--dsa-indexer-topk-freq`` > 1 (megatron-core 0.19.2 dsa.py is_dsa_skip_topk_layer): the layers between two
+    computing layers reuse the last one's top-k, handed over in a dict on the forward's attention mask (or the
+    config). Estimated (estimator/layers/dsa.py topk_holder_bytes, partition.py); the pipeline split is checked where
+    the layers are placed (partition.check_dsa_topk_sharing). Refused by name where the replay of a checkpointed
+    core or layer would look the top-k up again (not measured: a replay gets the mask detached, a new tensor without
+    the dict), and where MTP depths past the first would reuse one (their own layer numbering)."""
+    mods = kw.get("recompute_modules") or ()
+    granularity = kw.get("recompute_granularity")
+    if granularity == "full" or granularity == "selective" and "core_attn" in mods:
+        raise NotModelledError(a.key("dsa_indexer_topk_freq"), "DSA top-k sharing with a recomputed core attention "
+                               "or layer (the replay of a layer reusing a top-k looks it up on the checkpoint's "
+                               "detached inputs)", "drop core_attn from --recompute-modules / full recompute")
+    depths = int(a.int_arg("mtp_num_layers", 0) or 0) if not a.bool_arg("mtp_use_repeated_layer", False) else 1
+    if any(dsa_skips_topk(d, offset, freq) for d in range(2, depths + 1)) or "D" in (kw.get("hybrid_mtp_pattern") or ""):
+        # MultiTokenPredictionLayer numbers its layers 1, 2, ... (multi_token_prediction.py): depth 2 on reuse a top-k
+        raise NotModelledError(a.key("dsa_indexer_topk_freq"), "DSA top-k sharing in MTP depths past the first (they "
+                               "number their layers 1, 2, ... and reuse the first depth's top-k)")

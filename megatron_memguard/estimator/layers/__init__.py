@@ -11,11 +11,11 @@ from types import ModuleType
 from functools import lru_cache
 from typing import Any
 
-from ...partition import (MIXER_ATTENTION, MIXER_DSA, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE,
+from ...partition import (MIXER_ATTENTION, MIXER_DSA, MIXER_DSA_SHARED, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE,
                           MLP_LINEAR, MLP_MOE, MLP_NONE, LayerKind)
 from . import attention, dsa, gdn, linear_block, mamba, mla, mlp, moe, noop
 
-MIXERS: dict[str, Any] = {MIXER_ATTENTION: attention, MIXER_MLA: mla, MIXER_DSA: dsa, MIXER_NONE: noop,
+MIXERS: dict[str, Any] = {MIXER_ATTENTION: attention, MIXER_MLA: mla, MIXER_DSA: dsa, MIXER_DSA_SHARED: dsa, MIXER_NONE: noop,
                           MIXER_LINEAR: linear_block.recipe("mixer"), MIXER_MAMBA: mamba, MIXER_GDN: gdn}
 MLPS: dict[str, Any] = {MLP_DENSE: mlp, MLP_MOE: moe, MLP_NONE: noop, MLP_LINEAR: linear_block.recipe("mlp")}
 
@@ -34,12 +34,15 @@ def kind_layout(L: Any, kind: LayerKind) -> Any:
     """The layout a kind's recipes read: the model's, or for the dense MLP of another width
     ("dense:FFN", a heterogeneous layer config's ffn_mult) the model's with that ffn_hidden_size
     (HeterogeneousTransformerConfig.get_config_for_layer overrides it per layer), and for an attention of its
-    own query groups (a block's ``num_query_groups``, overridden the same way) the model's with those."""
+    own query groups (a block's ``num_query_groups``, overridden the same way) the model's with those, and for a DSA
+    layer that reuses another's top-k the model's marked so (``dsa_skip_topk``)."""
     own = {}
     if ":" in kind.mlp:
         own["ffn_hidden_size"] = int(kind.mlp.split(":", 1)[1])
     if kind.query_groups:
         own["num_query_groups"] = kind.query_groups
+    if kind.mixer == MIXER_DSA_SHARED:
+        own["dsa_skip_topk"] = True      # a DSA layer reusing another's top-k: no indexer (layers/dsa.py)
     return L.replace(**own) if own else L
 
 

@@ -33,6 +33,18 @@ def latent_norms(L: Layout) -> bool:
     return L.qk_layernorm and not L.hybrid_layer_pattern
 
 
+def computes_topk(L: Layout) -> bool:
+    """Whether the layer runs its own indexer: not a layer that reuses an earlier layer's top-k under
+    --dsa-indexer-topk-freq > 1 (DSAttention.skip_topk builds no indexer, dsa.py 0.19.2)."""
+    return not L.dsa_skip_topk
+
+
+def indexer_loss(L: Layout) -> bool:
+    """Whether the layer trains its indexer on the KL loss: a coefficient > 0 and an indexer of its own
+    (DSAttention.forward: use_indexer_loss needs computes_topk)."""
+    return L.dsa_indexer_loss_coeff > 0 and computes_topk(L)
+
+
 def _qr_width(L: Layout) -> int:
     """The indexer query's input width: q_lora_rank, or the hidden size without a query latent (DSAIndexer)."""
     return L.q_lora_rank if L.q_lora_rank is not None else L.hidden_size
@@ -41,6 +53,8 @@ def _qr_width(L: Layout) -> int:
 def linear_shapes(L: Layout) -> dict[str, tuple[int, int]]:
     """[out, in] per TP rank: MLA's projections and the indexer's, which are duplicated (whole on every TP rank)."""
     sh = mla.linear_shapes(L)
+    if not computes_topk(L):
+        return sh
     nh, hd = L.dsa_indexer_n_heads, L.dsa_indexer_head_dim
     sh["indexer_linear_wq_b"] = (nh * hd, _qr_width(L))
     sh["indexer_linear_wk"] = (hd, L.hidden_size)
@@ -56,13 +70,15 @@ def param_rows(L: Layout) -> list[ParamRow]:
     weights_proj [heads, h]; all duplicated over TP (parallel_mode 'duplicated', gradients averaged over TP)."""
     sh = linear_shapes(L)
     rows = norm_rows("input_layernorm", L.hidden_size, L)
-    for name in ("linear_wq_b", "linear_wk"):
-        out, inp = sh["indexer_" + name]
-        rows.append((INDEXER + name + ".weight", out * inp, True, False, False, inp))
-    hd = L.dsa_indexer_head_dim
-    rows += [(INDEXER + "k_norm.weight", hd, True, False, False, 0), (INDEXER + "k_norm.bias", hd, True, False, False, 0)]
-    out, inp = sh["indexer_linear_weights_proj"]
-    rows.append((INDEXER + "linear_weights_proj.weight", out * inp, True, False, False, inp))
+    if computes_topk(L):           # (a layer reusing a top-k builds no indexer)
+        for name in ("linear_wq_b", "linear_wk"):
+            out, inp = sh["indexer_" + name]
+            rows.append((INDEXER + name + ".weight", out * inp, True, False, False, inp))
+        hd = L.dsa_indexer_head_dim
+        rows += [(INDEXER + "k_norm.weight", hd, True, False, False, 0),
+                 (INDEXER + "k_norm.bias", hd, True, False, False, 0)]
+        out, inp = sh["indexer_linear_weights_proj"]
+        rows.append((INDEXER + "linear_weights_proj.weight", out * inp, True, False, False, inp))
     out, inp = sh["linear_proj"]
     rows.append(("self_attention.linear_proj.weight", out * inp, False, False, False, inp))
     for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
@@ -86,7 +102,10 @@ def kvl_q(L: Layout) -> int:
 
 
 def indexer_param_count(L: Layout) -> int:
-    """Parameters of one layer's lightning indexer: wq_b, wk, k_norm (weight and bias), weights_proj."""
+    """Parameters of one layer's lightning indexer: wq_b, wk, k_norm (weight and bias), weights_proj (none in a layer
+    reusing another's top-k)."""
+    if not computes_topk(L):
+        return 0
     nh, hd, h = L.dsa_indexer_n_heads, L.dsa_indexer_head_dim, L.hidden_size
     return nh * hd * _qr_width(L) + hd * h + 2 * hd + nh * h
 
@@ -102,7 +121,7 @@ def param_count(L: Layout) -> int:
 
 def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd: int, topk: int, e: int,
                loss: bool, recompute_core: bool, k_norm_fp32: bool = False,
-               s_k: int | None = None) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
+               s_k: int | None = None, indexer: bool = True) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
     """DSAttention of one micro-batch on one TP rank (CP 1), PyTorch path, counted from megatron-core 0.19.2's
     dsa.py and dsa_masking.py and checked against the module on CPU (benchmarks/referee/dsa_probe.py).
 
@@ -111,8 +130,12 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     tensors DSAttention.forward holds without autograd until it returns (the indexer's outputs and top-k without
     the loss). Shapes: s query tokens, s_k key tokens (s, or the whole sequence gathered over CP: the allgather
     path), b micro-batch, a_t heads, D = kv_lora + rope the absorbed head dim, N = b a_t s s_k score elements,
-    I = b s s_k index-score elements."""
+    I = b s s_k index-score elements. ``indexer`` False: a layer reusing another's top-k (no indexer, no loss; the
+    top-k it reads is the source layer's, counted by ``topk_holder_bytes``)."""
     s_k = s if s_k is None else s_k
+    if not indexer:
+        nh = hd = topk = 0
+        loss = False
     Tf, D = s * b, kvl + pe
     N, I = b * a_t * s * s_k, b * s * s_k
     saved: dict[str, int] = {}
@@ -129,7 +152,7 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
         saved["indexer_topk"] = topk_b
         # the loss function keeps the (detached) query; the latent key it keeps is the one the value view keeps
         saved["dsa_query"] = Tf * a_t * D * e
-    else:
+    elif indexer:
         # (a checkpointed core's forward runs without autograd: DSAttention computes no indexer loss there, its
         # replay does)
         held["indexer_qkw"] = idx
@@ -137,7 +160,7 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     # the indexer's scores (_compute_index_scores, fp32): the einsum of q and k cast to fp32 into X = [s, b, heads, s],
     # then its ReLU and the head weighting, each a new X while the previous one lives (2 X); topk's outputs are small
     X = 4 * b * nh * s * s_k
-    indexer_ws = max(2 * X, X + 4 * hd * (Tf * nh + b * s_k)) + b * s * topk * (4 + 8)
+    indexer_ws = max(2 * X, X + 4 * hd * (Tf * nh + b * s_k)) + b * s * topk * (4 + 8) if indexer else 0
     # the loss backward (bwd_fused_indexer_loss_naive) remakes the scores [s, b, heads, s] for the gradients: scores
     # with ReLU, its bool mask, the weighted product, the score gradient and the mask cast to fp32 (3.25 X); then
     # the gradients of q and k (einsums): the score gradient and its permuted copy (2 X), q in fp32, its permuted
@@ -184,14 +207,15 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
 @lru_cache(maxsize=256)
 def layer_items(L: Layout, recompute_core: bool) -> tuple:
     x = shapes(L)
-    loss = L.dsa_indexer_loss_coeff > 0
+    loss = indexer_loss(L)
     # fused_qk_topk_naive (dsa.py, 0.19.2) takes min(index_topk, key length) indices: a top-k above the sequence
     # (CP 1: the key is the whole sequence) keeps [b, s, s], not [b, s, topk]
     # under CP (the allgather path) the key is the whole sequence, gathered over the CP ranks
     s_k = x.s * L.cp
     topk = min(L.dsa_indexer_topk, s_k)
     return core_items(x.s, x.b, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim, L.v_head_dim, L.dsa_indexer_n_heads,
-                      L.dsa_indexer_head_dim, topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32, s_k)
+                      L.dsa_indexer_head_dim, topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32, s_k,
+                      computes_topk(L))
 
 
 CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output",
@@ -217,7 +241,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     ql, kvl, pe = L.q_lora_rank, L.kv_lora_rank, L.qk_pos_emb_head_dim
     D = kvl + pe
     recompute_core = "core_attn" in mods
-    loss = L.dsa_indexer_loss_coeff > 0
+    loss = indexer_loss(L)
     sp = L.sequence_parallel and L.tp > 1
     drop_norm1 = drop_norm or "layernorm" in mods
     saved: dict[str, int] = {}
@@ -257,7 +281,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     core_saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_ix = layer_items(L, recompute_core)
     # the indexer's inputs gathered over TP under sequence parallelism (x [s b, h] and qr [s b, q_lora]): kept by
     # its linears when the loss trains it, else freed after the indexer's forward
-    gathered = Tf * (h + _qr_width(L)) * e if sp else 0
+    gathered = Tf * (h + _qr_width(L)) * e if sp and computes_topk(L) else 0
     if gathered and loss and not recompute_core:
         saved["indexer_inputs"] = gathered
     saved.update(core_saved)
@@ -339,7 +363,7 @@ def core_replay_steps(L: Layout, names: frozenset, base: int, indexer_inputs: in
     key and its order (``cp_gathered``); ``gathered`` are the indexer's TP-gathered inputs alive in its forward."""
     x = shapes(L)
     Tf, e = x.Tf, x.e
-    loss = L.dsa_indexer_loss_coeff > 0
+    loss = indexer_loss(L)
     full, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, _, loss_bwd_ix = layer_items(L, False)
     rep = {k: v for k, v in full.items() if k != "dsa_query"}
     held_b = sum(held.values())
@@ -421,12 +445,25 @@ def rope_elements(L: Layout, tp: int, M: int) -> int:
     return mla.rope_elements(L, tp, M) + M * (L.dsa_indexer_n_heads + 1) * L.qk_pos_emb_head_dim
 
 
-def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
+def rotary_cache(L: Layout, layers: int, shared: int = 0) -> tuple[int, str] | None:
     """The attention's rotary embedding and the indexer's own (DSAIndexer builds one like the attention's): two per
-    layer, MLA's tables and buffers (mla.mla_rotary_bytes) for twice the layers."""
-    if not layers:
+    layer, MLA's tables and buffers (mla.mla_rotary_bytes) for twice the layers; one in each of the ``shared`` layers
+    that reuse another's top-k (no indexer)."""
+    if not layers + shared:
         return None
-    return mla.mla_rotary_bytes(L, 2 * layers), f"{L.rope_type} rotary tables of {layers} DSA layer(s) and their indexers"
+    more = f" and {shared} reusing a top-k" if shared else ""
+    return (mla.mla_rotary_bytes(L, 2 * layers + shared),
+            f"{L.rope_type} rotary tables of {layers} DSA layer(s) and their indexers{more}")
+
+
+def topk_holder_bytes(L: Layout, layers: int) -> int:
+    """Under top-k sharing (--dsa-indexer-topk-freq > 1) every computing layer puts its int64 top-k [b, s/CP,
+    min(top-k, s)] in a dict its forward hands to the later layers (DSAttention._get_index_share_topk_holder, dsa.py
+    0.19.2), keyed by layer: ``layers`` such entries. The dict hangs on the forward's attention mask (the batch's,
+    dropped when the micro-batch's forward step returns) or, without one, on the TransformerConfig, where each layer's
+    latest entry stays until the next forward overwrites it."""
+    x = shapes(L)
+    return 8 * x.b * x.s * min(L.dsa_indexer_topk, x.s * L.cp) * layers
 
 
 def head_dims(L: Layout) -> tuple[int, int]:

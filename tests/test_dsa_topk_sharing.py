@@ -1,0 +1,189 @@
+"""DSA top-k sharing (--dsa-indexer-topk-freq > 1, megatron-core 0.19.2).
+
+Source: experimental_attention_variant/dsa.py (is_dsa_skip_topk_layer lines 37-47, source_dsa_compute_layer 50-56,
+DSAttention.__init__ 1562-1584: a reusing layer builds no indexer; DSAttention.forward 1891-1893: no indexer loss
+without its own top-k, 1961-1976: the top-k read from the holder, 2197-2200: a computing layer stores its top-k there;
+_get_index_share_carrier 1593-1599: the holder hangs on the attention mask, else on the config) and
+models/gpt/experimental_attention_variant_module_specs.py _validate_dsa_index_share_pipeline_split (340-375). The
+reusing layer's core and the handed-over top-k were measured on CPU with the real module
+(benchmarks/referee/dsa_probe.py measure_shared, stored in benchmarks/results/referee-dsa-measured.json "shared").
+"""
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_memguard import estimate, layout_from_flags
+from megatron_memguard.errors import ConfigError, NotModelledError
+from megatron_memguard.estimator.core import chunk_activations
+from megatron_memguard.estimator.layers import dsa
+from megatron_memguard.estimator.layers.mla import mla_rotary_bytes
+from megatron_memguard.estimator.params import mtp_layer_kind, total_parameters
+from megatron_memguard.partition import MIXER_DSA, MIXER_DSA_SHARED, layer_kinds
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_dsa import BASE, HYBRID, LOSS, MEASURED, TP2  # noqa: E402
+
+with open(MEASURED) as _f:
+    SHARED = json.load(_f)["shared"]
+
+
+def _layout(*extra, world_size=2, base=BASE + TP2):
+    return layout_from_flags(list(base) + list(extra), world_size=world_size)
+
+
+def _mixers(L):
+    return "".join("c" if k.mixer == MIXER_DSA else "s" if k.mixer == MIXER_DSA_SHARED else "." for k in layer_kinds(L))
+
+
+# ---------------------------------------------------------------- which layers reuse a top-k
+
+@pytest.mark.parametrize("freq, offset, want", [
+    # is_dsa_skip_topk_layer: (max(n - max(offset, 1), 0) % freq) != 0 for the 1-indexed layer n
+    (2, 0, "cscscscs"),
+    (4, 0, "csssc" "sss"),
+    (4, 3, "cccsssc" "s"),     # layers up to the offset compute: max(n - 3, 0) = 0
+    (3, 1, "csscssc" "s"),
+])
+def test_which_layers_reuse_a_topk_by_hand(freq, offset, want):
+    L = _layout("--num-layers", "8", "--dsa-indexer-topk-freq", str(freq), "--dsa-indexer-skip-topk-offset", str(offset))
+    assert _mixers(L) == want
+
+
+def test_reusing_layers_build_no_indexer():
+    # DSAttention.__init__: self.indexer = None on a skip layer; measured: the reusing core has no parameters
+    assert all(r["skip_layer_params"] == 0 for r in SHARED.values())
+    one, two = _layout(), _layout("--dsa-indexer-topk-freq", "2")
+    # 4 layers, layers 2 and 4 reuse: two indexers fewer, 131,072 + 65,536 + 128 + 8,192 parameters each
+    assert dsa.indexer_param_count(one) == 204_928
+    assert total_parameters(one) - total_parameters(two) == 2 * 204_928
+
+
+# ---------------------------------------------------------------- the reusing layer's core, measured
+
+def _predicted(r):
+    """The reusing layer's core from core_items (no indexer, no loss): bytes kept, forward and backward peaks above the
+    inputs (the probe hands in a contiguous V up weight: no copy)."""
+    s, b, H, kvl, pe, v = r["seq"], r["batch"], r["heads"], r["kv_lora"], r["rope"], r["v_head"]
+    saved, held, iw, _, sf, sb, _, _ = dsa.core_items(s, b, H, kvl, pe, v, r["index_heads"], r["index_dim"],
+                                                      r["topk"], 2, r["loss_coeff"] > 0, False, indexer=False)
+    saved.pop("dsa_v_up_weight")
+    assert not held and iw == 0 and not set(saved) & dsa.LOSS_NAMES
+    total, late = sum(saved.values()), sum(saved.get(k, 0) for k in dsa.LATE)
+    return total, total - late + sf, sb - late + H * v * kvl * 2
+
+
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_reusing_layer_core_matches_the_measured_module(name):
+    r = SHARED[name]
+    saved, fwd, bwd = _predicted(r)
+    assert saved == pytest.approx(r["saved"], rel=0.002)
+    # the forward's few [s]-sized causal bounds are not counted: within 0.5%
+    assert fwd == pytest.approx(r["fwd_peak"], rel=0.005)
+    assert bwd == pytest.approx(r["bwd_peak"], rel=0.002)
+
+
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_the_handed_over_topk_is_int64_b_s_topk_and_outlives_the_backward(name):
+    r = SHARED[name]
+    # fused_qk_topk_naive: int64 [b, s, min(top-k, s)]; on the config (no attention mask) it stays after both backwards
+    want = 8 * r["batch"] * r["seq"] * min(r["topk"], r["seq"])
+    assert r["topk_dtype"] == "torch.int64"
+    assert r["topk_bytes"] == want and r["topk_kept_after_backward"] == want
+
+
+# ---------------------------------------------------------------- the holder in an estimate
+
+def test_holder_without_a_mask_is_a_persistent_buffer_by_hand():
+    L = _layout("--dsa-indexer-topk-freq", "2", "--no-create-attention-mask-in-dataloader")
+    rows = {t.name: t.bytes for t in estimate(L).stages[0].terms}
+    # computing layers 1 and 3, each int64 [b 1, s 4096, top-k 512] kept on the config
+    assert rows["dsa_topk_holder"] == 2 * 8 * 4096 * 512 == 33_554_432
+    assert "dsa_topk_holder" not in {t.name for t in estimate(_layout("--no-create-attention-mask-in-dataloader"))
+                                     .stages[0].terms}
+
+
+def test_holder_on_the_mask_lives_through_the_forward_by_hand():
+    masked = _layout("--dsa-indexer-topk-freq", "2")
+    bare = _layout("--dsa-indexer-topk-freq", "2", "--no-create-attention-mask-in-dataloader")
+    assert "dsa_topk_holder" not in {t.name for t in estimate(masked).stages[0].terms}
+    fm = chunk_activations(masked, masked.chunks[0]).fwd_extra
+    fb = chunk_activations(bare, bare.chunks[0]).fwd_extra
+    # the batch's mask [b, 1, s, s] bool (head.batch_items) and the two top-k hanging on it, to the forward's end
+    assert fm - fb == 4096 * 4096 + 2 * 8 * 4096 * 512
+
+
+def test_rotary_tables_one_per_reusing_layer():
+    L = _layout("--dsa-indexer-topk-freq", "2")
+    rows = {t.name: t.bytes for t in estimate(L).stages[0].terms}
+    # two computing layers with their indexers' embeddings (two each), two reusing layers with one
+    assert rows["rotary_cache"] == mla_rotary_bytes(L, 2 * 2 + 2)
+
+
+def test_reusing_layers_keep_no_indexer_loss_terms():
+    L = _layout(*LOSS, "--dsa-indexer-topk-freq", "2")
+    from megatron_memguard.estimator.activations import layer_activations
+    computing, reusing = (k for k in dict.fromkeys(layer_kinds(L)))
+    assert "indexer_topk" in layer_activations(L, True, computing).saved
+    saved = layer_activations(L, True, reusing).saved
+    assert not set(saved) & dsa.LOSS_NAMES
+    # the reusing layer keeps what a computing layer keeps without the loss
+    plain = _layout("--dsa-indexer-topk-freq", "2")
+    assert saved == layer_activations(plain, True, computing).saved
+
+
+# ---------------------------------------------------------------- pipeline splits and refusals
+
+@pytest.mark.parametrize("flags", [
+    ["--num-layers", "6", "--pipeline-model-parallel-size", "2"],                      # layer 4 reuses layer 3's
+    ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+     "--dsa-indexer-topk-freq", "4"],                                                  # chunk 3-4 reuses layer 1's
+])
+def test_a_split_between_source_and_reusing_layer_is_megatrons_error(flags):
+    if "--dsa-indexer-topk-freq" not in flags:
+        flags = flags + ["--dsa-indexer-topk-freq", "2"]
+    with pytest.raises(ConfigError) as e:
+        _layout(*flags, world_size=4).chunks
+    assert e.value.key == "--dsa-indexer-topk-freq"
+    assert "pipeline" in str(e.value) and "--pipeline-model-parallel-size 2" in str(e.value)
+
+
+def test_a_split_on_computing_layers_is_estimated():
+    L = _layout("--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                "2", "--dsa-indexer-topk-freq", "2", world_size=4)
+    assert [_mixers(L)[c.first_layer:c.first_layer + c.num_layers] for c in L.chunks] == ["cs"] * 4
+    assert estimate(L).stages[1].peak_allocated_bytes > 0
+
+
+def test_hybrid_d_layer_reusing_a_non_d_layer_is_an_error():
+    flags = [f if f != "MD-MD-" else "DD-D-D" for f in HYBRID]
+    with pytest.raises(ConfigError) as e:
+        layout_from_flags(flags + ["--dsa-indexer-topk-freq", "2"], world_size=1).chunks
+    assert e.value.key == "--dsa-indexer-topk-freq" and "not a DSA layer" in str(e.value)
+
+
+def test_hybrid_d_layers_share_topk():
+    flags = [f if f != "MD-MD-" else "DDM-DD" for f in HYBRID]
+    L = layout_from_flags(flags + ["--dsa-indexer-topk-freq", "2"], world_size=1)
+    # D layers 1 and 5 compute (max(n - 1, 0) % 2 == 0), 2 and 6 reuse
+    assert _mixers(L) == "cs..cs"
+    assert estimate(L).stages[0].peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("extra", [
+    ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
+    ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    ["--mtp-num-layers", "2", "--position-embedding-type", "rope"],
+])
+def test_unmeasured_combinations_are_refused_by_name(extra):
+    with pytest.raises(NotModelledError) as e:
+        _layout("--dsa-indexer-topk-freq", "2", *extra)
+    assert e.value.key == "--dsa-indexer-topk-freq"
+
+
+def test_the_first_mtp_depth_computes_its_topk():
+    # MultiTokenPredictionLayer numbers its layer 1: a computing layer whatever the last decoder layer is
+    L = _layout("--dsa-indexer-topk-freq", "2", "--mtp-num-layers", "1", "--position-embedding-type", "rope")
+    assert layer_kinds(L)[-1].mixer == MIXER_DSA_SHARED and mtp_layer_kind(L).mixer == MIXER_DSA
+    assert estimate(L).stages[0].peak_allocated_bytes > 0
