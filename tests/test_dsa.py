@@ -529,16 +529,40 @@ def test_hybrid_d_layers_are_dsa_layers_without_latent_norms():
     assert "latent_norms" not in dsa_layer.saved and "fc1_input" not in dsa_layer.saved
 
 
-def test_hybrid_d_layers_infer_mla_and_need_unfused_rope():
+def test_hybrid_d_layers_infer_mla():
     # validate_args (megatron-core 0.19.2 training/arguments.py, "Infer use of MLA from unified pattern") sets
     # --multi-latent-attention for a pattern with DSA 'D' layers: the flag may be left out
     flags = [f for f in HYBRID if f != "--multi-latent-attention"]
     assert len(flags) == len(HYBRID) - 1
     assert estimate(layout_from_flags(flags, world_size=1)).to_dict() == \
         estimate(layout_from_flags(HYBRID, world_size=1)).to_dict()
-    with pytest.raises(NotModelledError) as e:
-        layout_from_flags(HYBRID + ["--position-embedding-type", "rope"], world_size=1)
-    assert "rope-fusion" in e.value.key
+
+
+def test_hybrid_d_layers_with_rope_fusion_keep_no_rope_casts_by_hand():
+    # TransformerConfig (0.19.2) forbids rope fusion only with --experimental-attention-variant dsa; a hybrid 'D' layer
+    # takes AbsorbedMLA's fused path (absorbed_mla.py 556-597): the absorbed query and the key concatenated with their
+    # rope parts and rotated in place by fused_apply_mla_rope_for_q (fused_mla_yarn_rope_apply.py
+    # ApplyMLARotaryEmbQ.forward saves only the cached cos / sin), so the unfused rope's bf16 cos / sin casts
+    # (4 s rope e: s 2048, rope 32, bf16) are not kept
+    fused = layout_from_flags(HYBRID + ["--position-embedding-type", "rope"], world_size=1)
+    plain = layout_from_flags(HYBRID + ["--position-embedding-type", "rope", "--no-rope-fusion"], world_size=1)
+    assert fused.apply_rope_fusion and not plain.apply_rope_fusion and fused.rope_type == "yarn"
+    kind = fused.chunks[0].layer_kinds[1]
+    a, b = layer_activations(fused, True, kind).saved, layer_activations(plain, True, kind).saved
+    assert "rope_cos_sin" not in a and b.pop("rope_cos_sin") == 4 * 2048 * 32 * 2 == 524_288
+    assert a == b
+
+
+def test_hybrid_d_layers_with_rope_fusion_rotary_tables_by_hand():
+    # fused: AbsorbedMLA asks only get_cached_cos_sin (absorbed_mla.py 428-437): yarn cos + sin for s 2048 rows of
+    # rope 32 in bf16 per 'D' layer (2 layers: 524,288), no forward table; each indexer runs its embedding's forward
+    # (an fp32 [2048, 32] lru table: 2 x 262,144) and keeps the yarn buffers made at init (4096 rows, bf16 params:
+    # 2 x 2 x 262,144); unfused (mla_rotary_bytes of 4 embeddings): 4 lru tables + 4 init buffer pairs
+    def rotary(*extra):
+        L = layout_from_flags(HYBRID + ["--position-embedding-type", "rope", *extra], world_size=1)
+        return {t.name: t.bytes for t in estimate(L).stages[0].terms}["rotary_cache"]
+    assert rotary() == 524_288 + 524_288 + 1_048_576 == 2_097_152
+    assert rotary("--no-rope-fusion") == 4 * 262_144 + 4 * 2 * 4096 * 32 * 2 == 3_145_728
 
 
 def test_offloading_dsa_layers_is_refused_by_name():

@@ -40,11 +40,8 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if variant != "dsa" and not hybrid_d:
         return {}        # (the other variant is refused in refusals.py)
     key = VARIANT if variant == "dsa" else "hybrid_layer_pattern"
-    if variant != "dsa" and kw.get("apply_rope_fusion"):
-        # AbsorbedMLA's fused rope path (fused_apply_mla_rope_for_q on the absorbed query and key) keeps other
-        # tensors than the unfused one modelled; with the variant flag TransformerConfig forbids it
-        raise NotModelledError(a.key("apply_rope_fusion"), "RoPE fusion in a hybrid model's DSA 'D' layers",
-                               "add --no-rope-fusion")
+    # (RoPE fusion in a hybrid model's 'D' layers: TransformerConfig forbids it only with the variant flag, below;
+    # without it AbsorbedMLA takes its fused path, estimated in estimator/layers/dsa.py; MLA's rules ask for yarn)
     if ctx.version < Version("0.19"):
         # 0.16.1 builds DSA on MLASelfAttention with a different sparse path (dsa.py unfused_dsa_fn over [b*heads,
         # s, s] scores, no absorbed latent); memguard models 0.19.2's

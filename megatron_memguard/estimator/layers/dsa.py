@@ -258,7 +258,11 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
     # the q up projection's output [s b, a_t, qk + rope]: the einsum folding K's up projection into the query keeps
     # its q_no_pe view
     saved["query_up"] = Tf * a_t * (L.qk_head_dim + pe) * e
-    saved["rope_cos_sin"] = 4 * x.s * pe * e                 # unfused rope (DSA forbids rope fusion): cos, sin for q, k
+    if not L.apply_rope_fusion:
+        # the unfused rope (DSA forbids rope fusion; a hybrid 'D' layer may fuse it): cos, sin cast for q and for k.
+        # The fused path (absorbed_mla.py 556-597) concatenates the absorbed query and the key with their rope parts
+        # and rotates them in place (fused_mla_yarn_rope_apply.py ApplyMLARotaryEmbQ: saves the cached cos / sin)
+        saved["rope_cos_sin"] = 4 * x.s * pe * e
     # the latent key [s b, 1, kv_lora + rope]: the value is its first kv_lora channels, kept by the value matmul
     # (under CP the value matmul keeps the key gathered over the CP ranks, [s_k b, 1, D], for b = 1; for b > 1 it
     # keeps its copy over the heads, dsa_value_copy, and without the indexer loss (which keeps the key too) the
@@ -406,7 +410,7 @@ def up_proj_checkpoint(L: Layout, saved: dict[str, int], local_key_saved: bool =
     x = shapes(L)
     Tf, e, a_t, kvl, pe = x.Tf, x.e, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim
     query = saved.pop("dsa_query", 0) or Tf * a_t * (kvl + pe) * e
-    graph = saved.pop("query_up") + saved.pop("rope_cos_sin")
+    graph = saved.pop("query_up") + saved.pop("rope_cos_sin", 0)
     key = Tf * (kvl + pe) * e
     # under CP the key the value matmul (or the indexer loss) keeps is the one gathered over CP inside DSAttention,
     # not the checkpoint's output: it stays; the local key (the output, freed and remade) lives through the core's
@@ -452,8 +456,18 @@ def rotary_cache(L: Layout, layers: int, shared: int = 0) -> tuple[int, str] | N
     if not layers + shared:
         return None
     more = f" and {shared} reusing a top-k" if shared else ""
-    return (mla.mla_rotary_bytes(L, 2 * layers + shared),
-            f"{L.rope_type} rotary tables of {layers} DSA layer(s) and their indexers{more}")
+    detail = f"{L.rope_type} rotary tables of {layers} DSA layer(s) and their indexers{more}"
+    if L.apply_rope_fusion:
+        # (a hybrid 'D' layer; fusion needs yarn) AbsorbedMLA's fused path asks its embedding only for
+        # get_cached_cos_sin (absorbed_mla.py 428-437): its yarn cos / sin remade for s/CP positions in the activation
+        # dtype, no forward table; the indexer's embedding runs its forward (the lru table) and keeps the buffers
+        # made at init (mla.mla_rotary_bytes)
+        s, pe = L.seq_length // L.cp, L.qk_pos_emb_head_dim
+        attention = (layers + shared) * 2 * s * pe * L.act_bytes
+        indexers = (min(layers, mla.ROTARY_LRU_ENTRIES) * s * pe * 4
+                    + layers * 2 * (mla.MLA_YARN_ORIGINAL_MAX_POSITIONS // L.cp) * pe * L.param_bytes)
+        return attention + indexers, detail + " (fused rope)"
+    return mla.mla_rotary_bytes(L, 2 * layers + shared), detail
 
 
 def topk_holder_bytes(L: Layout, layers: int) -> int:
