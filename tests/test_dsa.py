@@ -565,11 +565,22 @@ def test_hybrid_d_layers_with_rope_fusion_rotary_tables_by_hand():
     assert rotary("--no-rope-fusion") == 4 * 262_144 + 4 * 2 * 4096 * 32 * 2 == 3_145_728
 
 
-def test_offloading_dsa_layers_is_refused_by_name():
-    with pytest.raises(NotModelledError) as e:
-        layout_from_flags(BASE + ["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
-                          world_size=1)
-    assert e.value.key == "--fine-grained-activation-offloading"
+def _offloaded(modules):
+    from megatron_memguard.estimator.core import chunk_activations
+    L = _layout("--fine-grained-activation-offloading", "--offload-modules", modules)
+    return L, chunk_activations(L, L.chunks[0])
+
+
+def test_offloading_dsa_layers_moves_only_the_input_norms_input_by_hand():
+    # AbsorbedMLASelfAttention and DSAttention call no off_interface (absorbed_mla.py, dsa.py 0.19.2; MLASelfAttention's
+    # qkv_linear / core_attn / attn_proj groups are in multi_latent_attention.py only): of a DSA layer's attention only
+    # TransformerLayer's attn_norm group moves anything, the separate input norm's input [s/TP, b, h] bf16 (2048 x 1024
+    # x 2 = 4 MiB, above the 1M-element threshold); the top layer's last group stays (4 layers: 3 moved)
+    L, a = _offloaded("attn_norm,qkv_linear,core_attn,attn_proj")
+    assert a.offload_groups == (2048 * 1024 * 2,) * 3 and a.host_bytes == 3 * 4_194_304
+    assert any("offload nothing of the DSA layers" in n for n in L.notes)
+    L, a = _offloaded("core_attn")
+    assert a.host_bytes == 0 and a.offload_groups == ()
 
 
 def test_report_names_the_dsa_path():

@@ -19,7 +19,7 @@ from typing import Callable
 from ..errors import NO_TE_BACKEND, ConfigError
 from ..gpus import GpuSpec
 from ..layout import Chunk, Layout
-from ..partition import (MIXER_ATTENTION, MIXER_DSA, MIXER_DSA_SHARED, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
+from ..partition import (DSA_MIXERS, MIXER_ATTENTION, MIXER_DSA, MIXER_DSA_SHARED, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
 from ..schedule import p2p_every_pass, p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
@@ -216,6 +216,12 @@ def _chunk_activations(L: Layout, runs: tuple[tuple[LayerKind, int], ...], has_e
             modules = offload_effective_modules(L.offload_modules, L.cuda_graph_impl, L.cuda_graph_modules,
                                                 kind is not None and (kind.mlp == MLP_MOE if L.heterogeneous_layers
                                                                       else kind.mlp != MLP_DENSE))
+            if kind is not None and kind.mixer in DSA_MIXERS:
+                # AbsorbedMLASelfAttention and DSAttention open no offload group (absorbed_mla.py, dsa.py 0.19.2 call
+                # no off_interface, unlike MLASelfAttention): qkv_linear, core_attn and attn_proj take nothing of a
+                # DSA layer; TransformerLayer's attn_norm (the input norm is a module of its own) and its MLP's groups
+                # act as in any layer
+                modules = tuple(m for m in modules if m not in ("qkv_linear", "core_attn", "attn_proj"))
             outside = None
             if kind is not None and kind.mlp == MLP_MOE:
                 from .layers.moe import offload_outside

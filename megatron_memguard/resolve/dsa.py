@@ -108,11 +108,6 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
             # get_dsa_module_spec_for_backend builds DSAttention whatever the backend: no TE DotProductAttention
             a.notes.append(f"{a.key('fp8_dot_product_attention')}: no effect on DSA layers (DSAttention is PyTorch "
                            "code, not Transformer Engine's attention): their attention is estimated in BF16")
-    if a.bool_arg("fine_grained_activation_offloading", False):
-        # (read raw: the activation offloading section comes later) the offload groups know MLA's saved tensors, not
-        # DSAttention's
-        raise NotModelledError(a.key("fine_grained_activation_offloading"), "fine-grained activation offloading of "
-                               "DSA layers (which of DSAttention's saved tensors each offload group takes)")
     coeff = a.float_arg("dsa_indexer_loss_coeff", 0.0)
     if coeff < 0:
         a.fail("dsa_indexer_loss_coeff", f"must be non-negative, got {coeff}")

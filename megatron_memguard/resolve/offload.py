@@ -41,6 +41,13 @@ def offload(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         for m in mods:
             if m not in MODULES:
                 a.fail("offload_modules", f"unknown module {m!r}; known: {', '.join(MODULES)}")
+        if (kw.get("experimental_attention_variant") == "dsa" or "D" in (kw.get("hybrid_layer_pattern") or "")) and \
+                set(mods) & {"qkv_linear", "core_attn", "attn_proj"}:
+            # AbsorbedMLASelfAttention and DSAttention open no offload group (absorbed_mla.py, dsa.py 0.19.2): only the
+            # input norm's and the MLP's groups move a DSA layer's tensors (estimator/core.py)
+            a.notes.append(f"{a.key('offload_modules')}: qkv_linear, core_attn and attn_proj offload nothing of the DSA "
+                           "layers (AbsorbedMLASelfAttention and DSAttention open no offload group, megatron-core "
+                           "0.19.2): their attention tensors stay on the GPU")
         if "attn_proj" in mods and "core_attn" not in mods:
             a.fail("offload_modules", "attn_proj needs core_attn (its input is core_attn's output, which core_attn's "
                    "backward needs)")
