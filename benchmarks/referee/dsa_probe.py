@@ -144,11 +144,14 @@ def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_l
 
 def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
                    kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
-                   index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01) -> dict[str, Any]:
+                   index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01, mask: bool = False) -> dict[str, Any]:
     """Top-k sharing (``--dsa-indexer-topk-freq 2``): layer 1 computes its top-k, layer 2 reuses it
     (DSAttention.skip_topk: no indexer). Runs layer 1's forward, then measures layer 2's forward and backward as
     ``measure`` does, and the top-k the forward hands over (the dict DSAttention hangs on the config when the forward
-    has no attention mask): its bytes, and whether it is still there after both backwards."""
+    has no attention mask): its bytes, and whether it is still there after both backwards. ``mask``: the forwards get
+    the dataloader's causal mask [b, 1, s, s] (bool, True above the diagonal), which then carries the dict; the mask
+    is dropped before the backwards, and whether the top-k died with it is recorded."""
+    import weakref
     import torch
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -185,14 +188,19 @@ def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 
                 torch.randn(seq, batch, q_lora, dtype=bf, requires_grad=True),
                 torch.randn(heads, v_head, kv_lora, dtype=bf, requires_grad=True))
 
+    batch_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1).view(1, 1, seq, seq).expand(
+        batch, 1, seq, seq).contiguous() if mask else None
+
     def run(core, args):
         query, key, x, qr, up_v = args
-        return core(query, key, None, None, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v)
+        return core(query, key, None, batch_mask, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v)
 
     first, second = inputs(), inputs()
     out1 = run(cores[0], first)
-    holder = getattr(cfg, DSAttention._HOLDER_ATTR)
+    holder = getattr(batch_mask if mask else cfg, DSAttention._HOLDER_ATTR)
     shared = holder[1]
+    on_config = getattr(cfg, DSAttention._HOLDER_ATTR, None) is not None
+    del holder
     tracker = LiveBytesTracker(keep_log=False)
     with tracker:
         base = tracker.current
@@ -201,15 +209,21 @@ def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 
         saved = tracker.current - base - out2.untyped_storage().nbytes()
         grad = torch.ones_like(out2)
         after_grad = tracker.current
+        if mask:
+            batch_mask = None                 # (the forward step returns: its batch goes)
         with tracker.region("bwd"):
             out2.backward(grad)
+    handed = {"topk_bytes": shared.untyped_storage().nbytes(), "topk_dtype": str(shared.dtype)}
+    alive = weakref.ref(shared)
+    del shared
     out1.backward(torch.ones_like(out1))
-    kept = getattr(cfg, DSAttention._HOLDER_ATTR).get(1)
+    kept = getattr(cfg, DSAttention._HOLDER_ATTR, {}).get(1)
     return {"seq": seq, "batch": batch, "heads": heads, "hidden": hidden, "q_lora": q_lora, "kv_lora": kv_lora,
             "rope": rope, "v_head": v_head, "index_heads": index_heads, "index_dim": index_dim, "topk": topk,
             "loss_coeff": loss_coeff, "skip_layer_params": sum(p.numel() for p in cores[1].parameters()),
-            "topk_bytes": shared.untyped_storage().nbytes(), "topk_dtype": str(shared.dtype),
-            "topk_kept_after_backward": kept is not None and kept.untyped_storage().nbytes(),
+            **handed, "holder_on_config": on_config, **({"mask": True} if mask else {}),
+            "topk_kept_after_backward": kept.untyped_storage().nbytes() if kept is not None else 0,
+            "topk_alive_after_backward": alive() is not None,
             "saved": saved, "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
             "bwd_peak": tracker.region_result("bwd")["peak_bytes"] - after_grad}
 
@@ -388,6 +402,8 @@ SHARED_GRID: dict[str, dict[str, Any]] = {
     "shared_loss": {},
     "shared_batch2_seq128_noloss": {"loss_coeff": 0.0, "batch": 2, "seq": 128},
     "shared_heads8_topk64": {"loss_coeff": 0.0, "heads": 8, "topk": 64},
+    "shared_mask_noloss": {"loss_coeff": 0.0, "mask": True},
+    "shared_mask_loss": {"mask": True},
 }
 
 
