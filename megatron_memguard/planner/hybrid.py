@@ -128,7 +128,8 @@ def mamba_core(m: MambaShape, *, b: int, seq: int, tp: int, cp: int, act_bytes: 
 def kind_name(kind: Any) -> str:
     """A layer kind as ``memguard plan --explain`` names it: Mamba / attention / MLP / MoE / GDN layers, or a
     heterogeneous block's attention and MLP (its own width)."""
-    names = {"mamba": "Mamba", "attention": "attention", "mla": "MLA", "dsa": "DSA", "gdn": "GDN", "linear": "linear",
+    names = {"mamba": "Mamba", "attention": "attention", "mla": "MLA", "dsa": "DSA", "dsa_shared": "DSA(shared top-k)",
+             "gdn": "GDN", "linear": "linear",
              "none": "", "dense": "MLP", "moe": "MoE"}
     mixer = names.get(kind.mixer, kind.mixer) + (f"(g{kind.query_groups})" if kind.query_groups else "")
     mlp = kind.mlp.split(":", 1)

@@ -499,6 +499,7 @@ class Planner:
         def judge(seq: int, c: Candidate):
             try:
                 L = self.layout(c)
+                L.chunks        # (the split's own rules, partition.py: DSA top-k sharing within a chunk)
             except ConfigErrors as e:
                 events.extend((seq, "rule", str(err)) for err in e.errors)
                 return None, None
