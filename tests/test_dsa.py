@@ -491,7 +491,7 @@ def test_tp_without_sequence_parallel_is_a_rule_error():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["--dsa-kernel-backend", "tilelang"], "--dsa-kernel-backend"),
+    (["--dsa-kernel-backend", "cudnn"], "--dsa-kernel-backend"),
 ])
 def test_unmodelled_settings_are_refused_by_name(extra, key):
     with pytest.raises(NotModelledError) as e:

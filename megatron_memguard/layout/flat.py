@@ -65,7 +65,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "hybrid_mtp_pattern"),
     ("shape", "experimental_attention_variant dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk "
               "dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss dsa_indexer_k_norm_fp32"),
-    ("shape", "dsa_indexer_topk_freq dsa_indexer_skip_topk_offset dsa_skip_topk"),
+    ("shape", "dsa_indexer_topk_freq dsa_indexer_skip_topk_offset dsa_skip_topk dsa_kernel_backend"),
     ("shape", "linear_attention_pattern linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim "
               "linear_num_key_heads linear_num_value_heads"),
     ("parallel", "cp_a2a_size cp_kv_all_gather"),
@@ -122,7 +122,7 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "mamba_num_heads": 0, "mamba_chunk_size": 128, "hybrid_mtp_pattern": None,
     "experimental_attention_variant": None, "dsa_indexer_n_heads": 0, "dsa_indexer_head_dim": 0, "dsa_indexer_topk": 0,
     "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": False, "dsa_indexer_k_norm_fp32": False,
-    "dsa_indexer_topk_freq": 1, "dsa_indexer_skip_topk_offset": 0, "dsa_skip_topk": False,
+    "dsa_indexer_topk_freq": 1, "dsa_indexer_skip_topk_offset": 0, "dsa_skip_topk": False, "dsa_kernel_backend": "none",
     "linear_attention_pattern": None, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "eval_micro_batch_size": None,   # the evaluation step's micro-batch (estimator/eval_step.py)

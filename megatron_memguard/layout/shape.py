@@ -85,6 +85,9 @@ class ModelShape:
     dsa_indexer_topk_freq: int = 1
     dsa_indexer_skip_topk_offset: int = 0
     dsa_skip_topk: bool = False
+    # --dsa-kernel-backend as it acts (none with --attention-backend unfused): 'none' the PyTorch path, 'tilelang' the
+    # TileLang indexer top-k and SparseMLA kernels (layers/dsa.py tilelang_sparse)
+    dsa_kernel_backend: str = "none"
     # --experimental-attention-variant gated_delta_net (GPT) with --linear-attention-freq: one character per layer,
     # '1' a gated delta net layer, '0' a standard attention layer (experimental_attention_variant_module_specs.py
     # get_linear_attention_pattern, core 0.16.1 and 0.19.2); None: no GDN layers in a GPT model

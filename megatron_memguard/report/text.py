@@ -190,6 +190,9 @@ def render(est: Estimate, detail: bool = False, colour: bool | None = None, all_
     if detail and est.profile != "fujii2024":
         if est.attention is not None and not _dsa_only(est.layout):
             out.append(f"attention backend: {est.attention.selected} ({est.attention.why})")
+        elif est.attention is not None and est.layout.dsa_kernel_backend == "tilelang":
+            out.append("attention backend: DSA TileLang kernels (--dsa-kernel-backend tilelang: fused indexer top-k, "
+                       "SparseMLA where its shapes allow, else the PyTorch path)")
         elif est.attention is not None:
             # DSAttention runs its own PyTorch path (--dsa-kernel-backend none), not Transformer Engine's attention
             out.append("attention backend: DSA PyTorch path (--dsa-kernel-backend none)")

@@ -71,10 +71,14 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     if backend not in ("none", "tilelang", "cudnn"):
         # (compared as written: dsa_kernels.py tests the Literal with ==)
         a.fail("dsa_kernel_backend", f"must be one of none, tilelang, cudnn, got {shown(backend)}")
-    elif backend != "none" and kw.get("attention_backend") != "unfused":
-        # dsa_kernels.use_fused_dsa_kernels: a fused backend unless --attention-backend unfused
-        raise NotModelledError(a.key("dsa_kernel_backend"), f"the {backend} DSA kernels (their saved tensors and "
-                               "workspaces; memguard models the PyTorch path of --dsa-kernel-backend none)")
+    elif backend == "cudnn" and kw.get("attention_backend") != "unfused":
+        # dsa_kernels.use_fused_dsa_kernels: a fused backend unless --attention-backend unfused. The cuDNN backend runs
+        # FlashMLA / cuDNN's compiled kernels (dsa_cudnn_kernels.py: indexer, sparse attention and loss fused), whose
+        # workspaces the Python wrappers do not show
+        raise NotModelledError(a.key("dsa_kernel_backend"), "the cudnn DSA kernels (FlashMLA / cuDNN's compiled "
+                               "workspaces; memguard models the PyTorch path and the tilelang kernels)")
+    elif backend == "tilelang" and kw.get("attention_backend") != "unfused":
+        _tilelang(a, kw, freq or 1)
     if kw.get("add_bias_linear"):
         a.fail("add_bias_linear", "must be off with DSA: AbsorbedMLASelfAttention takes no linear bias "
                                   "(TransformerConfig, AbsorbedMLASelfAttention.__init__)", "add --disable-bias-linear")
@@ -116,6 +120,8 @@ def dsa(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
                        "ReLU mask and its fp32 copy are counted: errs high)")
     return dict(experimental_attention_variant=variant, dsa_indexer_n_heads=heads or 0,
                 dsa_indexer_topk_freq=max(1, freq or 1), dsa_indexer_skip_topk_offset=max(0, offset or 0),
+                dsa_kernel_backend="tilelang" if backend == "tilelang" and kw.get("attention_backend") != "unfused"
+                else "none",
                 dsa_indexer_head_dim=head_dim or 0, dsa_indexer_topk=topk or 0,
                 dsa_indexer_loss_coeff=max(0.0, coeff),
                 dsa_indexer_use_sparse_loss=a.bool_arg("dsa_indexer_use_sparse_loss", False),
@@ -153,3 +159,31 @@ def _topk_sharing(a: Args, kw: Mapping[str, Any], freq: int, offset: int) -> Non
         # MultiTokenPredictionLayer numbers its layers 1, 2, ... (multi_token_prediction.py): depth 2 on reuse a top-k
         raise NotModelledError(a.key("dsa_indexer_topk_freq"), "DSA top-k sharing in MTP depths past the first (they "
                                "number their layers 1, 2, ... and reuse the first depth's top-k)")
+
+
+# sparse_mla_fwd_interface / sparse_mla_bwd (ops/tilelang_sparse_mla_*.py, 0.19.2): MCORE_DSA_TILELANG_SEQ_BUCKET's default
+TILELANG_SEQ_BUCKET = 256
+
+
+def _tilelang(a: Args, kw: Mapping[str, Any], freq: int) -> None:
+    """``--dsa-kernel-backend tilelang`` (dsa_tilelang_kernels.py, ops/tilelang_dsa.py, 0.19.2): the TileLang indexer
+    top-k and SparseMLA kernels, estimated in estimator/layers/dsa.py where their Python wrappers show every tensor.
+    Refused by name where memguard has not followed them: the streaming sparse indexer loss, a recomputed core or up
+    projection, context parallelism, top-k sharing, and a sequence the kernels pad to their bucket."""
+    key = a.key("dsa_kernel_backend")
+    mods = kw.get("recompute_modules") or ()
+    if a.bool_arg("dsa_indexer_use_sparse_loss", False) and a.float_arg("dsa_indexer_loss_coeff", 0.0) > 0:
+        raise NotModelledError(key, "the tilelang kernels with the sparse indexer loss (its streaming top-k KL, "
+                               "fused_qk_topk_lighting_with_streaming_sparse_kl)")
+    for what, on in (("a recomputed core or layer (core_attn, full recompute)", kw.get("recompute_granularity") == "full"
+                      or kw.get("recompute_granularity") == "selective" and "core_attn" in mods),
+                     ("the recomputed up projections (mla_up_proj)",
+                      kw.get("recompute_granularity") == "selective" and "mla_up_proj" in mods),
+                     ("context parallelism", kw.get("context_parallel_size", 1) > 1),
+                     ("top-k sharing (--dsa-indexer-topk-freq > 1)", freq > 1)):
+        if on:
+            raise NotModelledError(key, f"the tilelang DSA kernels with {what}")
+    seq = kw.get("seq_length") or 0
+    if seq % TILELANG_SEQ_BUCKET:
+        raise NotModelledError(key, f"the tilelang DSA kernels with a sequence ({seq}) they pad to a multiple of "
+                               f"{TILELANG_SEQ_BUCKET} (MCORE_DSA_TILELANG_SEQ_BUCKET)")

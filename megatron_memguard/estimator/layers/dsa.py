@@ -45,6 +45,28 @@ def indexer_loss(L: Layout) -> bool:
     return L.dsa_indexer_loss_coeff > 0 and computes_topk(L)
 
 
+# --dsa-kernel-backend tilelang (megatron-core 0.19.2 ops/tilelang_dsa.py): fused_sparse_mla_absorbed runs its SparseMLA
+# kernels only for DeepSeek-V3.2's absorbed dims (query and key [..., 576], 512 value channels), bf16, a power-of-two
+# number of heads of at least 16 after padding the rank's heads to 16, and a top-k that is a multiple of 64; else it
+# returns None and DSAttention takes the PyTorch path. The fused indexer runs on bf16 q and k in blocks of query rows
+# (DSAttention's fused_indexer_block_size, 8192 unless set).
+TILELANG_DIMS = (512, 64)
+TILELANG_MIN_HEADS = 16
+TILELANG_INDEXER_BLOCK = 8192
+
+
+def tilelang_heads(a_t: int) -> int:
+    """The heads SparseMLA runs: the rank's, padded to at least 16 (fused_sparse_mla_absorbed)."""
+    return max(a_t, TILELANG_MIN_HEADS)
+
+
+def tilelang_sparse(L: Layout, a_t: int, topk: int) -> bool:
+    """Whether the TileLang SparseMLA kernels run the sparse attention (else the PyTorch path)."""
+    hp = tilelang_heads(a_t)
+    return (L.dsa_kernel_backend == "tilelang" and L.bf16 and (L.kv_lora_rank, L.qk_pos_emb_head_dim) == TILELANG_DIMS
+            and hp & (hp - 1) == 0 and topk % 64 == 0)
+
+
 def _qr_width(L: Layout) -> int:
     """The indexer query's input width: q_lora_rank, or the hidden size without a query latent (DSAIndexer)."""
     return L.q_lora_rank if L.q_lora_rank is not None else L.hidden_size
@@ -121,7 +143,8 @@ def param_count(L: Layout) -> int:
 
 def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd: int, topk: int, e: int,
                loss: bool, recompute_core: bool, k_norm_fp32: bool = False,
-               s_k: int | None = None, indexer: bool = True) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
+               s_k: int | None = None, indexer: bool = True, tl_indexer: bool = False,
+               tl_sparse: bool = False) -> tuple[dict[str, int], dict[str, int], int, int, int, int, int, int]:
     """DSAttention of one micro-batch on one TP rank (CP 1), PyTorch path, counted from megatron-core 0.19.2's
     dsa.py and dsa_masking.py and checked against the module on CPU (benchmarks/referee/dsa_probe.py).
 
@@ -131,7 +154,8 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     the loss). Shapes: s query tokens, s_k key tokens (s, or the whole sequence gathered over CP: the allgather
     path), b micro-batch, a_t heads, D = kv_lora + rope the absorbed head dim, N = b a_t s s_k score elements,
     I = b s s_k index-score elements. ``indexer`` False: a layer reusing another's top-k (no indexer, no loss; the
-    top-k it reads is the source layer's, counted by ``topk_holder_bytes``)."""
+    top-k it reads is the source layer's, counted by ``topk_holder_bytes``). ``tl_indexer`` / ``tl_sparse``: the TileLang
+    indexer top-k (without the loss) and SparseMLA kernels (--dsa-kernel-backend tilelang, ``tilelang_sparse``)."""
     s_k = s if s_k is None else s_k
     if not indexer:
         nh = hd = topk = 0
@@ -145,7 +169,8 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     # k_norm's input and statistics and the rope's cos/sin cast to bf16 (for q and for k)
     # (under CP the indexer's k is gathered over the CP ranks and put in sequence order: [s_k b, head dim])
     idx = (Tf * (nh * hd + nh) + b * s_k * hd) * e
-    topk_b = b * s * topk * 8                      # int64 [b, s, topk]
+    tl_indexer = tl_indexer and indexer and not loss
+    topk_b = b * s * topk * (4 if tl_indexer else 8)   # int64 [b, s, topk] (the TileLang indexer's: int32)
     if loss and not recompute_core:
         # k_norm's input: the wk output, or its fp32 copy with --dsa-indexer-k-norm-fp32
         saved["indexer_qkw"] = idx + Tf * hd * (4 if k_norm_fp32 else e) + Tf * 8 + 4 * s * pe * e
@@ -161,6 +186,13 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     # then its ReLU and the head weighting, each a new X while the previous one lives (2 X); topk's outputs are small
     X = 4 * b * nh * s * s_k
     indexer_ws = max(2 * X, X + 4 * hd * (Tf * nh + b * s_k)) + b * s * topk * (4 + 8) if indexer else 0
+    if tl_indexer:
+        # fused_qk_topk_lighting (ops/tilelang_dsa.py): per batch element the weights in fp32 [s, heads] (q and k made
+        # contiguous for b > 1), per block of query rows the fp32 logits [rows, s_k] (indexer_fwd_interface) and
+        # torch.topk's fp32 scores and int64 indices [rows, top-k], cast to int32 into the [b, s, top-k] output
+        rows = min(s, TILELANG_INDEXER_BLOCK)
+        indexer_ws = (4 * s * nh + ((s * nh + s_k) * hd * e if b > 1 else 0) + 4 * rows * s_k + 16 * rows * topk
+                      + (topk_b if tl_sparse else 0))
     # the loss backward (bwd_fused_indexer_loss_naive) remakes the scores [s, b, heads, s] for the gradients: scores
     # with ReLU, its bool mask, the weighted product, the score gradient and the mask cast to fp32 (3.25 X); then
     # the gradients of q and k (einsums): the score gradient and its permuted copy (2 X), q in fp32, its permuted
@@ -173,6 +205,9 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     if recompute_core:
         # tensor_parallel.checkpoint keeps the core's inputs (query, key, x, qr); the query is otherwise dropped
         saved["dsa_query"] = Tf * a_t * D * e
+    elif tl_sparse:
+        return _tilelang_core(saved, held, s, b, a_t, kvl, D, topk, e, loss, s_k, v, indexer_ws, loss_ws,
+                              loss_bwd_indexer, topk_b if tl_indexer else 0)
     else:
         # _unfused_absorbed_dsa_fn: matmul keeps q.float() [b, a_t, s, D] and k.float() [b, 1, D, s]; masked_softmax
         # keeps its exp and its division's input (fp32) and three ~valid_mask bool tensors, with small row
@@ -204,6 +239,44 @@ def core_items(s: int, b: int, a_t: int, kvl: int, pe: int, v: int, nh: int, hd:
     return saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, nograd_fwd, loss_bwd_indexer
 
 
+def _tilelang_core(saved: dict[str, int], held: dict[str, int], s: int, b: int, a_t: int, kvl: int, D: int, topk: int,
+                   e: int, loss: bool, s_k: int, v: int, indexer_ws: int, loss_ws: int, loss_bwd_indexer: int,
+                   topk_int32: int) -> tuple:
+    """The sparse attention through TileLang's SparseMLA (ops/tilelang_dsa.py fused_sparse_mla_absorbed, ops/sparse_mla.py,
+    ops/tilelang_sparse_mla_fwd.py / _bwd.py, 0.19.2; sequence a multiple of the kernels' 256-row bucket, top-k of 64:
+    no padded copies). Its autograd function keeps q, kv, the int32 indices and the valid-head mask, not its output or
+    log-sum-exp (remade in the backward): no dense score tensor. Hp = the rank's heads padded to 16.
+
+    * q: the query permuted to [b, s, Hp, D] and made contiguous: the absorbed query itself for b = 1 without head
+      padding (``dsa_query``, which the indexer loss keeps too), else a copy (``dsa_tl_query``);
+    * kv: the key, a view for b = 1, a contiguous copy for b > 1 of the same size (``dsa_key``; the original then lives
+      through the forward);
+    * indices: the TileLang indexer's int32 top-k itself, or an int32 copy of the indexer loss's int64 one
+      (``dsa_tl_indices``); the valid-head mask, bool [b, s, Hp] (``dsa_tl_valid_heads``).
+
+    Forward: the kernel's bf16 output [b, s, Hp, 512] and fp32 log-sum-exp, and their masked copies (torch.where).
+    Backward: the output gradient and its masked copy, the remade log-sum-exp and delta (fp32), the key gradient
+    accumulated in fp32 [b, s_k, 1, D] and cast to bf16, the query gradient [b, s, Hp, D]."""
+    hp = tilelang_heads(a_t)
+    Tf = s * b
+    if b > 1 or hp != a_t:
+        saved["dsa_tl_query"] = b * s * hp * D * e
+    elif not loss:
+        saved["dsa_query"] = Tf * a_t * D * e
+    if loss:
+        saved["dsa_tl_indices"] = 4 * b * s * topk
+    else:
+        saved["dsa_tl_indices"] = topk_int32
+        held.pop("indexer_topk", None)
+    saved["dsa_tl_valid_heads"] = b * s * hp
+    saved["dsa_latent_output"] = Tf * a_t * kvl * e
+    saved["dsa_v_up_weight"] = a_t * v * kvl * e
+    out = b * s * hp * kvl * e
+    sparse_fwd = 2 * out + 8 * b * s * hp + (b * s_k * D * e if b > 1 else 0)
+    sparse_bwd = 2 * out + 8 * b * s * hp + 4 * b * s_k * D + b * s * hp * D * e + b * s_k * D * e
+    return saved, held, indexer_ws, loss_ws, sparse_fwd, sparse_bwd, 0, loss_bwd_indexer
+
+
 @lru_cache(maxsize=256)
 def layer_items(L: Layout, recompute_core: bool) -> tuple:
     x = shapes(L)
@@ -213,13 +286,14 @@ def layer_items(L: Layout, recompute_core: bool) -> tuple:
     # under CP (the allgather path) the key is the whole sequence, gathered over the CP ranks
     s_k = x.s * L.cp
     topk = min(L.dsa_indexer_topk, s_k)
+    tl = L.dsa_kernel_backend == "tilelang" and L.bf16
     return core_items(x.s, x.b, x.a_t, L.kv_lora_rank, L.qk_pos_emb_head_dim, L.v_head_dim, L.dsa_indexer_n_heads,
                       L.dsa_indexer_head_dim, topk, x.e, loss, recompute_core, L.dsa_indexer_k_norm_fp32, s_k,
-                      computes_topk(L))
+                      computes_topk(L), tl, tilelang_sparse(L, x.a_t, topk))
 
 
 CORE_NAMES = frozenset({"dsa_qk_fp32", "dsa_masks", "dsa_softmax_fp32", "dsa_probs", "dsa_value_copy", "dsa_latent_output",
-                        "dsa_v_up_weight"})
+                        "dsa_v_up_weight", "dsa_tl_query", "dsa_tl_indices", "dsa_tl_valid_heads"})
 # made at the value matmul and V's up projection, after the masked softmax; the first freed by the backward
 LATE = frozenset({"dsa_probs", "dsa_value_copy", "dsa_latent_output", "dsa_v_up_weight"})
 # made after the masked softmax (the V up-weight copy is made when DSAttention.forward starts)
@@ -433,7 +507,7 @@ def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> in
     a_t = L.num_attention_heads // tp
     kept = 0 if "layernorm" in mods else (b * seq // tp if sp else b * seq) * h * e
     kept += b * seq * (L.kv_lora_rank + L.qk_pos_emb_head_dim) * e
-    if "core_attn" not in mods:
+    if "core_attn" not in mods and not tilelang_sparse(L, a_t, min(L.dsa_indexer_topk, seq)):
         kept += b * a_t * seq * seq * (11 + e)
     return kept
 
