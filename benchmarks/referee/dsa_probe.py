@@ -86,32 +86,42 @@ def _init_rank():
     return Lin, Norm
 
 
+def _core_setup(layers: int, hidden: int, heads: int, q_lora: int, kv_lora: int, qk_head: int, rope: int, v_head: int,
+                index_heads: int, index_dim: int, topk: int, loss_coeff: float, **more: Any) -> tuple:
+    """One gloo rank, the DSA config ``measure`` and ``measure_shared`` build their cores with (``more``: further
+    TransformerConfig fields), DSAttention's submodules and the process groups: (cfg, spec, pgs)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
+                                                                              DSAttentionSubmodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    Lin, Norm = _init_rank()
+    cfg = MLATransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
+        qk_head_dim=qk_head, qk_pos_emb_head_dim=rope, v_head_dim=v_head, rope_type="rope", add_bias_linear=False,
+        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
+        dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_rotate_activation=False, use_cpu_initialization=True, **more)
+    group = dist.group.WORLD
+    spec = DSAttentionSubmodules(indexer=ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm, linear_weights_proj=Lin)))
+    return cfg, spec, ProcessGroupCollection(tp=group, cp=group)
+
+
 def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32, kv_lora: int = 32,
             rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4, index_dim: int = 32,
             topk: int = 16, loss_coeff: float = 0.01, sparse_loss: bool = False) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
-                                                                              DSAttention, DSAttentionSubmodules)
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
     from .livebytes import LiveBytesTracker
 
-    Lin, Norm = _init_rank()
-    cfg = MLATransformerConfig(
-        num_layers=1, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
-        qk_head_dim=qk_head, qk_pos_emb_head_dim=rope, v_head_dim=v_head, rope_type="rope", add_bias_linear=False,
-        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, experimental_attention_variant="dsa",
-        dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
-        dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_use_sparse_loss=sparse_loss,
-        dsa_indexer_rotate_activation=False, use_cpu_initialization=True)
-    group = dist.group.WORLD
-    pgs = ProcessGroupCollection(tp=group, cp=group)
-    spec = DSAttentionSubmodules(indexer=ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
-        linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm, linear_weights_proj=Lin)))
+    cfg, spec, pgs = _core_setup(1, hidden, heads, q_lora, kv_lora, qk_head, rope, v_head, index_heads, index_dim, topk,
+                                 loss_coeff, dsa_indexer_use_sparse_loss=sparse_loss)
     D = kv_lora + rope
     core = DSAttention(cfg, spec, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
                        softmax_scale=D ** -0.5, k_channels=D, v_channels=kv_lora, cp_comm_type="p2p",
@@ -152,29 +162,15 @@ def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 
     the dataloader's causal mask [b, 1, s, s] (bool, True above the diagonal), which then carries the dict; the mask
     is dropped before the backwards, and whether the top-k died with it is recorded."""
     import weakref
+
     import torch
-    import torch.distributed as dist
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
-                                                                              DSAttention, DSAttentionSubmodules)
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
     from .livebytes import LiveBytesTracker
 
-    Lin, Norm = _init_rank()
-    cfg = MLATransformerConfig(
-        num_layers=2, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
-        qk_head_dim=qk_head, qk_pos_emb_head_dim=rope, v_head_dim=v_head, rope_type="rope", add_bias_linear=False,
-        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, experimental_attention_variant="dsa",
-        dsa_indexer_n_heads=index_heads, dsa_indexer_head_dim=index_dim, dsa_indexer_topk=topk,
-        dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_topk_freq=2, dsa_indexer_rotate_activation=False,
-        use_cpu_initialization=True)
-    group = dist.group.WORLD
-    pgs = ProcessGroupCollection(tp=group, cp=group)
-    spec = DSAttentionSubmodules(indexer=ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
-        linear_wq_b=Lin, linear_wk=Lin, k_norm=Norm, linear_weights_proj=Lin)))
+    cfg, spec, pgs = _core_setup(2, hidden, heads, q_lora, kv_lora, qk_head, rope, v_head, index_heads, index_dim, topk,
+                                 loss_coeff, dsa_indexer_topk_freq=2)
     D = kv_lora + rope
     cores = [DSAttention(cfg, spec, layer_number=n, attn_mask_type=AttnMaskType.causal, attention_type="self",
                          softmax_scale=D ** -0.5, k_channels=D, v_channels=kv_lora, cp_comm_type="p2p",
