@@ -193,3 +193,13 @@ def test_the_first_mtp_depth_computes_its_topk():
     L = _layout("--dsa-indexer-topk-freq", "2", "--mtp-num-layers", "1", "--position-embedding-type", "rope")
     assert layer_kinds(L)[-1].mixer == MIXER_DSA_SHARED and mtp_layer_kind(L).mixer == MIXER_DSA
     assert estimate(L).stages[0].peak_allocated_bytes > 0
+
+
+def test_the_planner_drops_splits_megatron_refuses(capsys):
+    # memguard plan: a PP / VPP split that puts a reusing layer away from its source breaks Megatron's rule for that
+    # layout only (_validate_dsa_index_share_pipeline_split), the other layouts are planned
+    from megatron_memguard.cli.main import main
+    flags = [f if f != "4" or BASE[i - 1] != "--num-layers" else "8" for i, f in enumerate(BASE)]
+    assert main(["plan", "--gpus", "8", "--gpu", "H100-80GB", "--", *flags, "--dsa-indexer-topk-freq", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "break a Megatron rule" in out and " fits " in out
