@@ -422,7 +422,8 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
         else:
             chunk_runs.append(_runs_between(runs, ends, first, n))
     if L.dsa_indexer_topk_freq > 1:
-        check_dsa_topk_sharing(L, runs, firsts, counts)
+        mtp_at = mtp_stage_index(L)
+        check_dsa_topk_sharing(L, runs, firsts, counts, [i in (0, pp * vpp - 1, mtp_at) for i in range(len(counts))])
     chunks = []
     add = chunks.append
     last_i = pp * vpp - 1
@@ -437,12 +438,17 @@ def partition_layers(L: "Layout") -> tuple[Chunk, ...]:
 
 
 def check_dsa_topk_sharing(L: "Layout", runs: tuple[tuple[LayerKind, int], ...], firsts: list[int],
-                           counts: list[int]) -> None:
+                           counts: list[int], batch: list[bool]) -> None:
     """A layer reusing a top-k needs its source layer earlier in its own model chunk: the top-k is handed over in a
     dict of the chunk's forward, never sent between pipeline stages. megatron-core 0.19.2 checks it when it builds a
     GPT model's chunk (experimental_attention_variant_module_specs.py _validate_dsa_index_share_pipeline_split, on the
     chunk's layer ids: PP and VPP boundaries alike); a hybrid model's 'D' layer raises at its first forward when the
-    source did not run before it (DSAttention.forward), which also holds when the source is no 'D' layer."""
+    source did not run before it (DSAttention.forward), which also holds when the source is no 'D' layer.
+    ``batch``: whether each chunk reads the batch (get_batch_on_this_tp_rank: the first and last stages, the MTP
+    stage), whose attention mask then carries the top-k: a checkpoint's replay gets that mask detached, a new tensor
+    without them, so a reusing layer replayed without its source (``core_attn`` recompute; full recompute with the
+    source outside its checkpointed group) raises DSAttention's error in the backward (measured on CPU with
+    tensor_parallel.checkpoint; on the config, the other chunks' carrier, the replay finds them)."""
     kinds = kinds_from_runs(runs)
     freq, offset = L.dsa_indexer_topk_freq, L.dsa_indexer_skip_topk_offset
     flags = (f"--dsa-indexer-topk-freq {freq}, --dsa-indexer-skip-topk-offset {offset}, --pipeline-model-parallel-size "
@@ -464,6 +470,44 @@ def check_dsa_topk_sharing(L: "Layout", runs: tuple[tuple[LayerKind, int], ...],
                                   f"not a DSA layer ({flags}): DSAttention raises at its first forward",
                                   "choose --dsa-indexer-topk-freq / --dsa-indexer-skip-topk-offset that land on 'D' layers",
                                   fails_later="first forward step")
+    if getattr(L, "create_attention_mask_in_dataloader", True):
+        for first, n, reads in zip(firsts, counts, batch):
+            bad = reads and _replayed_without_source(L, kinds, first, max(n, 0))
+            if bad:
+                raise ConfigError("--dsa-indexer-topk-freq", f"layer {bad} reuses a top-k and is recomputed without "
+                                  f"its source layer ({_recompute_flags(L)}) on a pipeline stage that reads the "
+                                  "batch's attention mask: the replay gets the mask detached, without the top-k hung "
+                                  "on it, and DSAttention raises in the backward",
+                                  "add --no-create-attention-mask-in-dataloader (the top-k then hang on the config) "
+                                  "or recompute the layers with their sources", fails_later="first backward step")
+
+
+def _recompute_flags(L: "Layout") -> str:
+    if L.recompute_granularity == "full":
+        return f"--recompute-granularity full --recompute-method {L.recompute_method} --recompute-num-layers " \
+               f"{L.recompute_num_layers}"
+    return "--recompute-modules core_attn"
+
+
+def _replayed_without_source(L: "Layout", kinds: tuple[LayerKind, ...], first: int, n: int) -> int:
+    """The first reusing layer (1-indexed) of the chunk whose checkpoint replays it without its source layer, or 0:
+    core_attn recompute checkpoints each core alone; full recompute 'uniform' checkpoints groups of k layers from the
+    chunk's first, 'block' the chunk's first k layers one by one (TransformerBlock._checkpointed_forward, 0.19.2)."""
+    freq, offset = L.dsa_indexer_topk_freq, L.dsa_indexer_skip_topk_offset
+    k = L.recompute_num_layers if L.recompute_num_layers is not None else 1
+    for i in range(first, first + n):
+        if kinds[i].mixer != MIXER_DSA_SHARED:
+            continue
+        if L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules:
+            return i + 1
+        if L.recompute_granularity == "full":
+            src = dsa_topk_source(i + 1, offset, freq) - 1
+            j = i - first
+            if L.recompute_method == "uniform" and (src - first) // k != j // k:
+                return i + 1
+            if L.recompute_method == "block" and j < k:
+                return i + 1
+    return 0
 
 
 def _runs_between(runs: tuple[tuple[LayerKind, int], ...], ends: list[int], first: int,

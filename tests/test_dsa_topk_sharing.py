@@ -74,7 +74,11 @@ def _predicted(r):
     return total, total - late + sf, sb - late + H * v * kvl * 2
 
 
-@pytest.mark.parametrize("name", sorted(SHARED))
+PLAIN = sorted(n for n, r in SHARED.items() if not r.get("recompute_core"))
+RECOMPUTED = sorted(n for n, r in SHARED.items() if r.get("recompute_core"))
+
+
+@pytest.mark.parametrize("name", PLAIN)
 def test_reusing_layer_core_matches_the_measured_module(name):
     r = SHARED[name]
     saved, fwd, bwd = _predicted(r)
@@ -94,9 +98,33 @@ def test_the_handed_over_topk_lives_on_the_config_or_dies_with_the_mask(name):
         # on the batch's mask: dropped with it (the probe drops the mask before the backwards, as the forward step
         # returning does); nothing else keeps it once the indexer loss (if any) has run its backward
         assert not r["holder_on_config"] and not r["topk_alive_after_backward"]
+    elif r.get("recompute_core"):
+        # on the config; layer 1's replay in the backward puts a new top-k of the same size in its place
+        assert r["holder_on_config"] and r["topk_kept_after_backward"] == want
     else:
         # on the config: still there after both backwards (dsa_topk_holder)
         assert r["holder_on_config"] and r["topk_kept_after_backward"] == want and r["topk_alive_after_backward"]
+
+
+@pytest.mark.parametrize("name", RECOMPUTED)
+def test_reusing_layer_recomputed_core_matches_the_measured_module(name):
+    # --recompute-modules core_attn without the batch's mask (the replay finds the top-k on the config):
+    # tensor_parallel.checkpoint keeps only the core's inputs (the probe's own); the forward runs without autograd
+    # (core_items' no-grad working set, less the V up-weight copy: the probe hands a contiguous weight in); the
+    # backward replays the core with autograd beside the output gradient, holding the replay's output through its
+    # backward: the replay's saved tensors less the late ones, the sparse attention's backward, the V up-weight's
+    # gradient (core_replay_steps)
+    r = SHARED[name]
+    s, b, H, kvl, pe, v = r["seq"], r["batch"], r["heads"], r["kv_lora"], r["rope"], r["v_head"]
+    args = (s, b, H, kvl, pe, v, r["index_heads"], r["index_dim"], r["topk"], 2, r["loss_coeff"] > 0)
+    ckpt = dsa.core_items(*args, True, indexer=False)
+    replay = dsa.core_items(*args, False, indexer=False)
+    up_w = H * v * kvl * 2
+    total, late = sum(replay[0].values()), sum(replay[0].get(k, 0) for k in dsa.LATE)
+    out = s * b * H * v * 2
+    assert r["saved"] == 0 and set(ckpt[0]) == {"dsa_query"}
+    assert r["fwd_peak"] == ckpt[6] - up_w
+    assert r["bwd_peak"] == max(out + total + s * b * H * kvl * 2, out + total - late + replay[5]) + up_w
 
 
 # ---------------------------------------------------------------- the holder in an estimate
@@ -177,14 +205,43 @@ def test_hybrid_d_layers_share_topk():
     assert estimate(L).stages[0].peak_allocated_bytes > 0
 
 
-@pytest.mark.parametrize("extra", [
-    ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
-    ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-    ["--mtp-num-layers", "2", "--position-embedding-type", "rope"],
+CORE = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+
+
+@pytest.mark.parametrize("extra, ok", [
+    # measured (tensor_parallel.checkpoint on CPU): the replay of a reusing core gets the batch's mask detached, a new
+    # tensor without the top-k, and raises "needs top-k indices from source computing layer"; on the config it works
+    (CORE, False),
+    (CORE + ["--no-create-attention-mask-in-dataloader"], True),
+    # TransformerBlock._checkpointed_forward: uniform groups of k layers from the chunk's first (layer 2 with its
+    # source 1 in the group of 2, not in its own group of 1), block: the first k layers checkpointed one by one
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], True),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], False),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"], True),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"], False),
 ])
-def test_unmeasured_combinations_are_refused_by_name(extra):
+def test_recomputed_reusing_layers_need_their_source_in_the_replay(extra, ok):
+    if ok:
+        assert estimate(_layout("--dsa-indexer-topk-freq", "2", *extra)).stages[0].peak_allocated_bytes > 0
+        return
+    with pytest.raises(ConfigError) as e:
+        _layout("--dsa-indexer-topk-freq", "2", *extra).chunks
+    assert e.value.key == "--dsa-indexer-topk-freq" and "layer 2" in str(e.value)
+    assert "--no-create-attention-mask-in-dataloader" in str(e.value)
+
+
+def test_a_middle_stage_replays_on_the_config():
+    # PP 3 of 6 layers: the middle stage reads no batch (get_batch_on_this_tp_rank), its top-k hang on the config
+    flags = ["--num-layers", "6", "--pipeline-model-parallel-size", "3", "--dsa-indexer-topk-freq", "2"]
+    with pytest.raises(ConfigError):
+        _layout(*flags, *CORE, world_size=6).chunks          # the first and last stages read the mask
+    L = _layout(*flags, *CORE, "--no-create-attention-mask-in-dataloader", world_size=6)
+    assert estimate(L).stages[1].peak_allocated_bytes > 0
+
+
+def test_mtp_depths_reusing_a_topk_are_refused_by_name():
     with pytest.raises(NotModelledError) as e:
-        _layout("--dsa-indexer-topk-freq", "2", *extra)
+        _layout("--dsa-indexer-topk-freq", "2", "--mtp-num-layers", "2", "--position-embedding-type", "rope")
     assert e.value.key == "--dsa-indexer-topk-freq"
 
 

@@ -154,13 +154,16 @@ def measure(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_l
 
 def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 64, q_lora: int = 32,
                    kv_lora: int = 32, rope: int = 16, v_head: int = 16, qk_head: int = 16, index_heads: int = 4,
-                   index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01, mask: bool = False) -> dict[str, Any]:
+                   index_dim: int = 32, topk: int = 16, loss_coeff: float = 0.01, mask: bool = False,
+                   recompute_core: bool = False) -> dict[str, Any]:
     """Top-k sharing (``--dsa-indexer-topk-freq 2``): layer 1 computes its top-k, layer 2 reuses it
     (DSAttention.skip_topk: no indexer). Runs layer 1's forward, then measures layer 2's forward and backward as
     ``measure`` does, and the top-k the forward hands over (the dict DSAttention hangs on the config when the forward
     has no attention mask): its bytes, and whether it is still there after both backwards. ``mask``: the forwards get
     the dataloader's causal mask [b, 1, s, s] (bool, True above the diagonal), which then carries the dict; the mask
-    is dropped before the backwards, and whether the top-k died with it is recorded."""
+    is dropped before the backwards, and whether the top-k died with it is recorded. ``recompute_core``: each core
+    under tensor_parallel.checkpoint as AbsorbedMLA runs it with ``--recompute-modules core_attn`` (no mask: its replay
+    finds the top-k on the config)."""
     import weakref
 
     import torch
@@ -171,6 +174,9 @@ def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 
 
     cfg, spec, pgs = _core_setup(2, hidden, heads, q_lora, kv_lora, qk_head, rope, v_head, index_heads, index_dim, topk,
                                  loss_coeff, dsa_indexer_topk_freq=2)
+    from megatron.core import parallel_state, tensor_parallel
+    if recompute_core and not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
     D = kv_lora + rope
     cores = [DSAttention(cfg, spec, layer_number=n, attn_mask_type=AttnMaskType.causal, attention_type="self",
                          softmax_scale=D ** -0.5, k_channels=D, v_channels=kv_lora, cp_comm_type="p2p",
@@ -188,8 +194,9 @@ def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 
         batch, 1, seq, seq).contiguous() if mask else None
 
     def run(core, args):
-        query, key, x, qr, up_v = args
-        return core(query, key, None, batch_mask, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v)
+        def forward(query, key, x, qr, up_v):
+            return core(query, key, None, batch_mask, x, qr, attn_mask_type=AttnMaskType.causal, up_v_weight=up_v)
+        return tensor_parallel.checkpoint(forward, False, *args) if recompute_core else forward(*args)
 
     first, second = inputs(), inputs()
     out1 = run(cores[0], first)
@@ -218,6 +225,7 @@ def measure_shared(seq: int = 64, batch: int = 1, heads: int = 4, hidden: int = 
             "rope": rope, "v_head": v_head, "index_heads": index_heads, "index_dim": index_dim, "topk": topk,
             "loss_coeff": loss_coeff, "skip_layer_params": sum(p.numel() for p in cores[1].parameters()),
             **handed, "holder_on_config": on_config, **({"mask": True} if mask else {}),
+            **({"recompute_core": True} if recompute_core else {}),
             "topk_kept_after_backward": kept.untyped_storage().nbytes() if kept is not None else 0,
             "topk_alive_after_backward": alive() is not None,
             "saved": saved, "fwd_peak": tracker.region_result("fwd")["peak_bytes"] - base,
@@ -400,6 +408,8 @@ SHARED_GRID: dict[str, dict[str, Any]] = {
     "shared_heads8_topk64": {"loss_coeff": 0.0, "heads": 8, "topk": 64},
     "shared_mask_noloss": {"loss_coeff": 0.0, "mask": True},
     "shared_mask_loss": {"mask": True},
+    "shared_core_recompute_noloss": {"loss_coeff": 0.0, "recompute_core": True},
+    "shared_core_recompute_batch2_seq128_loss": {"batch": 2, "seq": 128, "recompute_core": True},
 }
 
 

@@ -144,16 +144,9 @@ def _context_parallel(a: Args, kw: Mapping[str, Any], mods: Any) -> None:
 def _topk_sharing(a: Args, kw: Mapping[str, Any], freq: int, offset: int) -> None:
     """``--dsa-indexer-topk-freq`` > 1 (megatron-core 0.19.2 dsa.py is_dsa_skip_topk_layer): the layers between two
     computing layers reuse the last one's top-k, handed over in a dict on the forward's attention mask (or the
-    config). Estimated (estimator/layers/dsa.py topk_holder_bytes, partition.py); the pipeline split is checked where
-    the layers are placed (partition.check_dsa_topk_sharing). Refused by name where the replay of a checkpointed
-    core or layer would look the top-k up again (not measured: a replay gets the mask detached, a new tensor without
-    the dict), and where MTP depths past the first would reuse one (their own layer numbering)."""
-    mods = kw.get("recompute_modules") or ()
-    granularity = kw.get("recompute_granularity")
-    if granularity == "full" or granularity == "selective" and "core_attn" in mods:
-        raise NotModelledError(a.key("dsa_indexer_topk_freq"), "DSA top-k sharing with a recomputed core attention "
-                               "or layer (the replay of a layer reusing a top-k looks it up on the checkpoint's "
-                               "detached inputs)", "drop core_attn from --recompute-modules / full recompute")
+    config). Estimated (estimator/layers/dsa.py topk_holder_bytes, partition.py); the pipeline split and the replays
+    of recomputed layers are checked where the layers are placed (partition.check_dsa_topk_sharing). Refused by name
+    where MTP depths past the first would reuse one (their own layer numbering)."""
     depths = int(a.int_arg("mtp_num_layers", 0) or 0) if not a.bool_arg("mtp_use_repeated_layer", False) else 1
     if any(dsa_skips_topk(d, offset, freq) for d in range(2, depths + 1)) or "D" in (kw.get("hybrid_mtp_pattern") or ""):
         # MultiTokenPredictionLayer numbers its layers 1, 2, ... (multi_token_prediction.py): depth 2 on reuse a top-k
