@@ -266,25 +266,17 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
     cp = kw.get("context_parallel_size", 1)
     if isinstance(cp, int) and cp > 1:
         # context_parallel.py (TE 2.20.2) has its own MXFP8 path in each CP type (attn_forward_func_with_cp refuses
-        # none of them); the p2p ring is sized (estimator/layers/fp8_attention.py mxfp8_ring_attention): BF16 q,
-        # K/V ring and out_part saved, per-step MXFP8 copies. The all-to-all (saves the exchanged BF16 q, k, v), its
-        # two-level a2a+p2p form and the all-gather path (AttnFuncWithCPAndKVAllGather runs MXFP8 too from TE 2.15)
-        # are not
-        raw = a.get("cp_comm_type") or ["p2p"]
-        comm = set(raw) if isinstance(raw, (list, tuple)) else {raw}
-        if comm != {"p2p"}:
-            raise NotModelledError(a.key("cp_comm_type"), "FP8 attention under the mxfp8 recipe with --cp-comm-type "
-                                   f"{' '.join(sorted(str(c) for c in comm))} (Transformer Engine 2.20.2's MXFP8 "
-                                   "all-to-all / all-gather attention; sized instead: --cp-comm-type p2p, or "
-                                   "NVTE_DPA_FP8_RECIPE=Float8CurrentScaling for the attention in current scaling "
-                                   "next to the MXFP8 linears)")
-        # each ring step quantizes its q / K/V part (cp_p2p_fwd_fused_attn -> combine_and_quantize: s_q % 128 == 0,
-        # s_kv % 128 == 0); under the causal mask the off-diagonal steps take half of a rank's s/CP tokens
+        # none of them; estimator/layers/fp8_attention.py): the p2p ring (cp_p2p_fwd_fused_attn) and the all-gather
+        # path (AttnFuncWithCPAndKVAllGather) quantize each step's q / K/V part, the all-to-all
+        # (AttnFuncWithCPAndQKVOA2A) the exchanged whole sequence, a two-level a2a+p2p its ring's parts of s/P tokens.
+        # combine_and_quantize asserts s_q % 128 == 0 and s_kv % 128 == 0; under the causal mask a ring (or
+        # all-gather) step takes half of a rank's s/ranks tokens
+        ranks, what = _mxfp8_step_ranks(a, cp)
         seq = kw.get("seq_length")
-        if isinstance(seq, int) and seq % (256 * cp):
-            a.fail(dest, f"needs --seq-length divisible by 256 x --context-parallel-size ({256 * cp}) under the mxfp8 "
-                         "recipe with context parallelism (Transformer Engine 2.20.2 quantizes each ring step's half "
-                         f"of the s/CP tokens in blocks of 128), got {seq}")
+        if ranks > 1 and isinstance(seq, int) and seq % (256 * ranks):
+            a.fail(dest, f"needs --seq-length divisible by 256 x {what} ({256 * ranks}) under the mxfp8 recipe with "
+                         "context parallelism (Transformer Engine 2.20.2 quantizes each ring or all-gather step's "
+                         f"half of a rank's tokens in blocks of 128), got {seq}")
             return False
     # combine_and_quantize (utils.py): "MXFP8 quantization requires s_q % 128 == 0, s_kv % 128 == 0, d_qk % 32 == 0,
     # d_v % 32 == 0" (an assertion at the first step)
@@ -307,6 +299,27 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
                    "9.21 or later (not 9.23.0 / 9.23.1) and not with packed (THD) sequences; it keeps q, k, v in MXFP8 "
                    "(rowwise and columnwise) and the attention output in BF16")
     return True
+
+
+def _mxfp8_step_ranks(a: Args, cp: int) -> tuple[int, str]:
+    """Over how many ranks an MXFP8 attention step splits a sequence's tokens (with the flag that sets them): CP for
+    the p2p ring and the all-gather path, the ring's level of a two-level a2a+p2p, none (1) for the all-to-all over
+    every rank; the largest over per-layer types. A malformed value gives 1 (resolve/shape.py reports it)."""
+    raw = a.get("cp_comm_type") or ["p2p"]
+    comm = set(raw) if isinstance(raw, (list, tuple)) else {raw}
+    best = (1, "")
+    for c in comm:
+        if c in ("p2p", "all_gather"):
+            best = max(best, (cp, "--context-parallel-size"))
+        elif c == "a2a+p2p":
+            sizes = a.get("hierarchical_context_parallel_sizes")
+            try:
+                sizes = [int(x) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes or "").split())]
+            except ValueError:
+                continue
+            if len(sizes) == 2 and sizes[0] < cp:      # an a2a level over every rank is the all-to-all (no ring)
+                best = max(best, (sizes[1], "the ring's size in --hierarchical-context-parallel-sizes"))
+    return best
 
 
 def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: Context) -> bool:
