@@ -8,13 +8,12 @@ utils.py combine_and_quantize (one Float8Tensor for q, k, v), csrc/extensions/at
 tensors M and ZInv [b, h, s, 1] fp32), dot_product_attention.py init_fp8_metadata (only per-tensor recipes);
 megatron-core fp8_utils.get_fp8_recipe (0.16.1: fp8_dpa on delayed and tensorwise; 0.19.2: also mxfp8),
 fp4_utils.get_fp4_recipe (0.19.2 passes fp8_dpa to NVFP4BlockScaling)."""
-import re
 import textwrap
 
 import pytest
 
 from megatron_memguard import estimate
-from megatron_memguard.errors import ConfigError, NotModelledError
+from megatron_memguard.errors import ConfigError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.gpus import lookup_gpu
 from megatron_memguard.readers.detect import read_config_file
@@ -358,10 +357,10 @@ def test_context_parallel_comm_types():
         L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True,
                 version=version)
         assert L.cp_a2a_size == 2 and L.fp8_spec.fp8_dot_product_attention
-    # one type per layer (TransformerConfig asserts one for each of the 32 layers): the all_gather layers would run
-    # BF16 attention (TE < 2.15) or AttnFuncWithCPAndKVAllGather's FP8, the p2p ones the FP8 ring
-    with pytest.raises(NotModelledError, match="cp.comm.type.*one communication type per layer"):
-        lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True)
+    # one type per layer (TransformerConfig asserts one for each of the 32 layers): each layer's kind carries its own
+    # (test_per_layer_comm_types_*)
+    L = lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True)
+    assert L.fp8_spec.fp8_dot_product_attention and L.cp_comm_layers == ",".join(["p2p", "all_gather"] * 16)
     # a list of another length is Megatron's assert, not a refusal (before: the refusal, as for 32 types)
     with pytest.raises(ConfigError, match="gives 2 communication types for 32 layers"):
         lay(*fp8, "--cp-comm-type", "p2p", "all_gather", fp8_dot_product_attention=True)
@@ -1147,3 +1146,73 @@ def test_mxfp8_two_level_a2a_p2p_by_hand():
     assert 2 * Q4 + step > 2 * Q4 + 60 * Mi > 32 * Mi
     bf16_ring = 2 * Q4 + 3 * 2 * Q4 + 10 * 2 * K4 + ST4   # attention.py _cp_attention_items' backward
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, common + 2 * Q4 + step - bf16_ring, 0, 0]
+
+
+# --- one --cp-comm-type per layer (TransformerConfig.cp_comm_type as a list of num_layers types; megatron-core 0.19.2
+# transformer_layer.py 361-368: each TransformerLayer hands cp_comm_type[layer_number - 1] to its attention) ---
+def _stages(L):
+    """Per pipeline stage: the layer_activations term and the peak (H100; B200 for MXFP8)."""
+    e = estimate(L, gpu=lookup_gpu("B200" if L.fp8_spec.recipe == "mxfp8" else "H100-80GB"))
+    return [({t.name: t.bytes for t in s.terms}["layer_activations"], s.peak_allocated_bytes) for s in e.stages]
+
+
+def test_per_layer_comm_types_follow_the_layers_of_each_stage():
+    from megatron_memguard.partition import model_kind_runs
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2"]
+    ring, ag = (_stages(lay(*fp8, "--cp-comm-type", c, fp8_dot_product_attention=True)) for c in ("p2p", "all_gather"))
+    # per layer per micro-batch the FP8 ring keeps its last K/V buffer in FP8 (cp_kv_buffer, KV = 4 MiB: test_ring_*)
+    # that the all-gather path does not (test_all_gather_attention_saved_by_hand); stage 0 holds 16 layers with 2
+    # micro-batches in flight (PP 2, 1F1B), stage 1 16 with 1
+    assert [r[0] - a[0] for r, a in zip(ring, ag)] == [16 * 2 * KV, 16 * 1 * KV]
+    # the first 16 layers p2p, the last 16 all_gather: each stage is the uniform run of its layers' type
+    half = lay(*fp8, "--cp-comm-type", *(["p2p"] * 16 + ["all_gather"] * 16), fp8_dot_product_attention=True)
+    assert [(k.cp_comm, n) for k, n in model_kind_runs(half)] == [("p2p", 16), ("all_gather", 16)]
+    assert _stages(half) == [ring[0], ag[1]]
+    # alternating: 8 layers of each type on each stage
+    alt = _stages(lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True))
+    assert [t for t, _ in alt] == [ring[0][0] - 16 * KV, ring[1][0] - 8 * KV]
+    # TE 2.14.1 (before 2.15 AttnFuncWithCPAndKVAllGather takes no fp8): the all_gather layers run BF16 attention,
+    # the p2p layers the FP8 ring; the layout keeps FP8 attention and says so
+    env = {"MEMGUARD_TE_VERSION": "2.14.1"}
+    old = lay(*fp8, "--cp-comm-type", *(["p2p"] * 16 + ["all_gather"] * 16), fp8_dot_product_attention=True,
+              version="0.19.2", env=env)
+    assert old.fp8_spec.fp8_dot_product_attention and any("all_gather layers run BF16" in n for n in old.notes)
+    bf16 = _stages(lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True, version="0.19.2",
+                       env=env))
+    ring_old = _stages(lay(*fp8, fp8_dot_product_attention=True, version="0.19.2", env=env))
+    assert _stages(old) == [ring_old[0], bf16[1]]
+    # without FP8 attention the all_gather layers are sized as the ring: one kind, as before
+    assert lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16).cp_comm_layers is None
+
+
+def test_per_layer_comm_types_with_an_all_to_all():
+    # BF16 attention (once refused for lists with a2a): the all-to-all keeps its output before the exchange next to
+    # linear_proj's (cp_a2a_attention_output, 2 Q = 16 MiB per layer per micro-batch: test_a2a_*); the last 16
+    # layers a2a sit on stage 1 (1 micro-batch in flight)
+    cp = ["--context-parallel-size", "2"]
+    ring, a2a = (_stages(lay(*cp, "--cp-comm-type", c)) for c in ("p2p", "a2a"))
+    assert [a[0] - r[0] for r, a in zip(ring, a2a)] == [16 * 2 * 2 * Q, 16 * 1 * 2 * Q]
+    half = lay(*cp, "--cp-comm-type", *(["p2p"] * 16 + ["a2a"] * 16))
+    assert half.cp_comm_layers == ",".join(["p2p"] * 16 + ["a2a"] * 16) and half.cp_a2a_size == 1
+    assert _stages(half) == [ring[0], a2a[1]]
+    # MXFP8 attention: p2p ring, all-to-all and all-gather layers side by side, each sized as its type alone
+    mx = [_stages(_mx_cp([c])) for c in ("p2p", "a2a", "all_gather")]
+    mixed = _stages(lay(*MX_CP, "--cp-comm-type", *(["p2p", "a2a", "all_gather"] * 10 + ["p2p", "a2a"]),
+                        fp8_dot_product_attention=True, version="0.19.2"))
+    # stage 0: layers 0-15 (6 p2p, 5 a2a, 5 all_gather), stage 1: layers 16-31 (5 p2p, 6 a2a, 5 all_gather)
+    for stage, counts in ((0, (6, 5, 5)), (1, (5, 6, 5))):
+        assert mixed[stage][0] == sum(n * m[stage][0] for n, m in zip(counts, mx)) // 16
+    # a type's own rules still hold: TE's all-to-all splits 4 KV heads per TP rank over the a2a ranks (CP 8)
+    raw = parse_megatron_flags(BASE + ["--context-parallel-size", "8", "--cp-comm-type"] + ["p2p", "a2a"] * 16)
+    with pytest.raises(ConfigError, match="cp.comm.type.*multiples of the all-to-all.s 8 ranks"):
+        resolve(raw, world_size=32)
+
+
+def test_per_layer_comm_types_need_core_0_17():
+    # megatron-core 0.16.1 transformer_layer.py 295-297 reads config.cp_comm_type[self.layer_number] with layer numbers
+    # from 1 (transformer_block.py build_layer(layer_spec, i + 1)): each layer takes the next one's type and the last
+    # layer's index is past the list (IndexError at model build); 0.17.0 (317-319) and 0.19.2 read [layer_number - 1]
+    with pytest.raises(ConfigError, match="^--cp-comm-type: gives one type per layer, which megatron-core 0.16.1 cannot "
+                                          "run .*last layer's index is past the list's end"):
+        lay("--context-parallel-size", "2", "--cp-comm-type", *["p2p", "all_gather"] * 16, version="0.16.1")
+    assert lay("--context-parallel-size", "2", "--cp-comm-type", *["p2p", "all_gather"] * 16, version="0.17.0").cp == 2

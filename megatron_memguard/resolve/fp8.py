@@ -59,6 +59,11 @@ def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
         # shape.py marks the all-gather CP path where FP8 attention is asked for; where it is not kept (no FP8, TE
         # before 2.15, NVTE_DPA_FP8_RECIPE=F16) the layout says so too
         v = {**v, "cp_kv_all_gather": False}
+    words = kw.get("cp_comm_layers")
+    if words and "all_gather" in words and not v.get("fp8_dot_product_attention"):
+        # per-layer types: BF16 attention sizes the all_gather layers as the ring (the p2p layers' kind)
+        words = ",".join("p2p" if w == "all_gather" else w for w in words.split(","))
+        v = {**v, "cp_comm_layers": words if len(set(words.split(","))) > 1 else None}
     return v
 
 
@@ -342,30 +347,28 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
         a.fail(dest, "cannot be used with multi-latent attention under context parallelism (Transformer Engine 2.11 "
                     "has no attention backend for FP8 MLA with CP)")
         return False
-    if comm == {"all_gather"}:
+    if "all_gather" in comm:
         te = te_version_text(a.raw.env, str(ctx.version))
         if not te_at_least(a.raw.env, str(ctx.version), AG_FP8_SINCE):
-            # TE 2.11 to 2.14.1: AttnFuncWithCPAndKVAllGather takes no fp8 argument, its kernels run in BF16
-            a.notes.append(f"{key}: no effect with --cp-comm-type all_gather under Transformer Engine {te} (its "
-                           "all-gather context parallelism runs BF16 attention before 2.15): attention is estimated "
-                           "in BF16")
-            return False
-        # TE 2.15.0 on (to 2.20.2): attn_forward_func_with_cp hands fp8 to AttnFuncWithCPAndKVAllGather, which
-        # gathers the FP8 K/V (estimator/layers/fp8_attention.py fp8_all_gather_attention)
-        a.notes.append(f"{key}: with --cp-comm-type all_gather Transformer Engine {te} runs FP8 attention on the K/V "
-                       "gathered in FP8 (from 2.15; before it, BF16)")
-        return True
-    if len(comm) > 1 or not comm <= {"p2p", "a2a", "a2a+p2p"}:
-        # per-layer communication types (a list of several; with a2a or a2a+p2p among them resolve/shape.py refuses the
-        # list for BF16 attention too): p2p and all_gather layers would differ in more than the CP exchange, FP8 ring
-        # attention in the first, BF16 attention in the second, and memguard's layer kinds carry one attention
-        # precision per model part (partition.py), not one per CP type
-        raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
-                               "(one communication type per layer: the all_gather and p2p layers run different "
-                               "FP8 attention functions, or BF16 and FP8 before Transformer Engine 2.15; each type "
-                               "alone is sized)")
+            # TE 2.11 to 2.14.1: AttnFuncWithCPAndKVAllGather takes no fp8 argument, its kernels run in BF16; with one
+            # type per layer the other layers keep FP8 attention (estimator/layers kind_layout: the all_gather
+            # layers' kind turns it off)
+            if comm == {"all_gather"}:
+                a.notes.append(f"{key}: no effect with --cp-comm-type all_gather under Transformer Engine {te} (its "
+                               "all-gather context parallelism runs BF16 attention before 2.15): attention is "
+                               "estimated in BF16")
+                return False
+            a.notes.append(f"{key}: the --cp-comm-type all_gather layers run BF16 attention under Transformer Engine "
+                           f"{te} (its all-gather context parallelism takes no FP8 before 2.15); the others FP8")
+        else:
+            # TE 2.15.0 on (to 2.20.2): attn_forward_func_with_cp hands fp8 to AttnFuncWithCPAndKVAllGather, which
+            # gathers the FP8 K/V (estimator/layers/fp8_attention.py fp8_all_gather_attention)
+            a.notes.append(f"{key}: with --cp-comm-type all_gather Transformer Engine {te} runs FP8 attention on the "
+                           "K/V gathered in FP8 (from 2.15; before it, BF16; MXFP8 gathers them in BF16 and quantizes "
+                           "each step's slice)")
     # a2a+p2p over two levels: TE 2.11's (core 0.16) and TE 2.20.2's (core >= 0.17) AttnFuncWithCPAndKVP2P with
-    # cp_size_a2a > 1 are both sized (estimator/layers/fp8_attention.py fp8_ring_attention)
+    # cp_size_a2a > 1 are both sized (estimator/layers/fp8_attention.py fp8_ring_attention); one type per layer: each
+    # layer's kind carries its own (resolve/shape.py cp_attention)
     return True
 
 
