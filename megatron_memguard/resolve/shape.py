@@ -126,13 +126,12 @@ def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
                fails_later="at model build (TransformerLayer.__init__ raises IndexError on the last layer)")
         return {}
     comm = set(items)
-    fp8_attn = a.bool_arg("fp8_dot_product_attention", False) or a.bool_arg("fp8_multi_head_attention", False)
     if len(comm) == 1:
-        return _one_cp_type(a, kw, items[0], cp, fp8_attn) or {}
+        return _one_cp_type(a, kw, items[0], cp) or {}
     # one communication type per layer (TransformerConfig.cp_comm_type as a list; TransformerLayer takes
     # cp_comm_type[layer_number - 1]): each layer is sized by its own (its kind's cp_comm, partition.py); the layout's
     # cp_a2a_size / cp_kv_all_gather are the first layer's
-    settings = {c: _one_cp_type(a, kw, c, cp, fp8_attn) for c in sorted(comm)}
+    settings = {c: _one_cp_type(a, kw, c, cp) for c in sorted(comm)}
     if any(v is None for v in settings.values()):
         return {}
     words = {c: _cp_word(c, v, cp) for c, v in settings.items()}
@@ -152,13 +151,14 @@ def _cp_word(comm: str, settings: Mapping[str, Any], cp: int) -> str:
     return "all_gather" if settings.get("cp_kv_all_gather") else "p2p"
 
 
-def _one_cp_type(a: Args, kw: Mapping[str, Any], comm: str, cp: int, fp8_attn: bool) -> dict[str, Any] | None:
+def _one_cp_type(a: Args, kw: Mapping[str, Any], comm: str, cp: int) -> dict[str, Any] | None:
     """cp_attention's settings for one communication type; None where a rule it breaks was reported."""
     if comm == "a2a":
         a2a = cp
     elif comm == "all_gather":
         # AttnFuncWithCPAndKVAllGather: BF16 attention is sized as the ring (the layout is unchanged); FP8 attention
         # there follows the run's TE (resolve/fp8.py _ring_attention, estimator/layers/fp8_attention.py)
+        fp8_attn = a.bool_arg("fp8_dot_product_attention", False) or a.bool_arg("fp8_multi_head_attention", False)
         return dict(cp_kv_all_gather=True) if fp8_attn else {}
     elif comm == "a2a+p2p":
         sizes = a.get("hierarchical_context_parallel_sizes")
