@@ -1096,7 +1096,8 @@ def test_mxfp8_all_gather_working_sets_by_hand():
     # (BF16), k_ag / v_ag gathered again (BF16); a step: contiguous halves of q, out, dO (3 x Q bytes), the MXFP8 q
     # and k both ways and v rowwise (used_in_backward only), dO both ways; every step's BF16 dq/dk/dv to the end (dq's
     # halves and the K/V of chunks r and 2 CP - r - 1: (2 CP + 1) / 2 local K/V)
-    bwd8 = (Q + 2 * K * cp + K * cp) + (TC // 2 * A_T + 2 * wide * G_T) * 4 + (TC // 2 // 32 * A_T + wide // 32 * G_T) * 128
+    bwd8 = ((Q + 2 * K * cp + K * cp) + (TC // 2 * A_T + 2 * wide * G_T) * 4
+            + (TC // 2 // 32 * A_T + wide // 32 * G_T) * 128)
     do8 = Q + _scales(TC // 2, A_T, A_T)
     held = 2 * Q + 2 * Q + gathered
     collected = 2 * Q + 2 * (2 * cp + 1) * KV // 2
@@ -1212,7 +1213,7 @@ def test_per_layer_comm_types_need_core_0_17():
     # megatron-core 0.16.1 transformer_layer.py 295-297 reads config.cp_comm_type[self.layer_number] with layer numbers
     # from 1 (transformer_block.py build_layer(layer_spec, i + 1)): each layer takes the next one's type and the last
     # layer's index is past the list (IndexError at model build); 0.17.0 (317-319) and 0.19.2 read [layer_number - 1]
-    with pytest.raises(ConfigError, match="^--cp-comm-type: gives one type per layer, which megatron-core 0.16.1 cannot "
-                                          "run .*last layer's index is past the list's end"):
+    with pytest.raises(ConfigError, match="^--cp-comm-type: gives one type per layer, which megatron-core 0.16.1 "
+                                          "cannot run .*last layer's index is past the list's end"):
         lay("--context-parallel-size", "2", "--cp-comm-type", *["p2p", "all_gather"] * 16, version="0.16.1")
     assert lay("--context-parallel-size", "2", "--cp-comm-type", *["p2p", "all_gather"] * 16, version="0.17.0").cp == 2

@@ -1,7 +1,8 @@
 """FP8 core attention (``fp8_dot_product_attention``): what Transformer Engine 2.11's FusedAttention keeps
 and holds when an FP8 layer runs its dot-product attention in FP8 (the delayed and tensorwise recipes, the only
 ones TE 2.11's DotProductAttention accepts; the mxfp8 recipe as TE 2.20.2 runs it: ``mxfp8_attention`` and, under
-the CP ring, ``mxfp8_ring_attention``, at the end; resolve/fp8.py refuses or drops the others).
+CP, ``mxfp8_ring_attention`` (p2p, a2a+p2p), ``mxfp8_all_gather`` and layers/cp_attention.py (a2a), at the end;
+resolve/fp8.py refuses or drops the others).
 
 Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`` (forward and backward),
 ``utils.py`` ``combine_and_quantize``, ``csrc/extensions/attention.cpp`` ``fused_attn_fwd`` (aux tensors):
@@ -577,8 +578,9 @@ def mxfp8_token_tensors(items: tuple[tuple[int, int, int, bool, bool], ...]) -> 
 
 def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
     """FP8 attention under the mxfp8 recipe (megatron-core >= 0.17 with TE 2.20.2), without context parallelism
-    (the p2p ring: ``mxfp8_ring_attention``; resolve/fp8.py refuses the other CP types). ``DotProductAttention`` keeps the MXFP8 recipe for the attention
-    (``NVTE_DPA_FP8_RECIPE`` unset; or switches to it, ``MXFP8BlockScaling``, TE >= 2.15) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
+    (under CP: ``mxfp8_ring_attention``, ``mxfp8_all_gather``, layers/cp_attention.py ``cp_a2a_attention``).
+    ``DotProductAttention`` keeps the MXFP8 recipe for the attention (``NVTE_DPA_FP8_RECIPE`` unset; or switches to
+    it, ``MXFP8BlockScaling``, TE >= 2.15) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
 
     * forward: q, k, v are made contiguous where they are views (``get_qkv_layout``) and quantized one by one (no
       concatenation: ``combine_and_quantize``'s MXFP8 fast path for sbhd_sbhd_sbhd), each rowwise and columnwise
