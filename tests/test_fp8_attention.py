@@ -972,7 +972,7 @@ def test_mxfp8_ring_rules():
         lay(*MX_CP, "--seq-length", "6400", fp8_dot_product_attention=True, version="0.19.2")
     assert lay(*MX_CP, "--seq-length", "6144", fp8_dot_product_attention=True,
                version="0.19.2").fp8_spec.fp8_dot_product_attention                # 1536 = 12 x 128
-    # the all-gather path's steps take the same halves (3642-3670: q.select(..) of [2, s/2, ..], the K/V of chunks
+    # the all-gather path's steps take the same halves (3629-3670: q.select(..) of [2, s/2, ..], the K/V of chunks
     # 0 .. c): the same rule; the all-to-all quantizes the exchanged whole sequence (4790-4800): 6400 = 50 x 128 runs
     with pytest.raises(ConfigError, match="256 x --context-parallel-size \\(512\\).*got 6400"):
         lay(*MX_CP, "--cp-comm-type", "all_gather", "--seq-length", "6400", fp8_dot_product_attention=True,
@@ -1037,13 +1037,13 @@ def test_mxfp8_a2a_working_sets_by_hand():
     m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
     f = fp8_attention(L, m)
     alive = 2 * Q + 2 * K                # Megatron's rope'd BF16 q and v made contiguous (FusedAttention.forward)
-    # 4725-4733 and 4749-4761: the BF16 q (16 Mi bytes), k, v (4 Mi each) exchanged (flash_attn_a2a_communicate: peak
+    # 4725-4733 and 4744-4758: the BF16 q (16 Mi bytes), k, v (4 Mi each) exchanged (flash_attn_a2a_communicate: peak
     # at q's reorder, 4 q + 2 k); 4790-4800: the exchanged BF16 q, k, v (the q, k, v locals, alive to the forward's
-    # end) next to their MXFP8 copies; 4911-4925: the kernel's BF16 output (saved, out_part) exchanged back (send
+    # end) next to their MXFP8 copies; 4915-4925: the kernel's BF16 output (saved, out_part) exchanged back (send
     # copy, receive buffer, contiguous copy: 3 x 2 Q) next to them
     assert [w for _, w in f.fwd_steps[:3]] == [alive + 4 * 2 * Q + 2 * 2 * K, alive + 2 * W + A2A8,
                                               alive + 2 * W + 3 * 2 * Q]
-    # backward (5085-5190): the BF16 dO handed in (2 Q) and its exchange (4 x 2 Q); then the exchanged dO (kept:
+    # backward (5083-5190): the BF16 dO handed in (2 Q) and its exchange (4 x 2 Q); then the exchanged dO (kept:
     # aux_ctx_tensors.append(dout)), its MXFP8 copy both ways, the kernel's BF16 dq, dk, dv and their exchange
     # (send copies 2 W, receive buffers of dq and dk, dq's contiguous copy)
     bwd = 2 * Q + max(8 * Q, 2 * Q + A2A_DO8 + 2 * W + (2 * W + 4 * Q + 2 * K))
@@ -1064,7 +1064,7 @@ def test_mxfp8_a2a_working_sets_by_hand():
 
 def test_mxfp8_all_gather_saved_by_hand():
     # 3906-3916 (ctx.fp8, MXFP8: "q/k/v/o all in f16"): f16_tensors = (q, k, v, out_f16): Megatron's rope'd q (a
-    # view), the local k and v ([s/CP, b, g/t, d], .contiguous() at 3470: v's copy), the output returned (linear_proj's
+    # view), the local k and v ([s/CP, b, g/t, d], .contiguous() at 3457: v's copy), the output returned (linear_proj's
     # proj_input) and softmax_lse_per_step of both steps (two halves of [b, a/t, s/CP]): the BF16 ring's bytes, no
     # out_part (the ring's 2255 has no counterpart here) and no MXFP8 tensor
     bf16_ring = layer_activations(_mx_cp(["p2p"], fp8=False)).saved
@@ -1086,9 +1086,9 @@ def test_mxfp8_all_gather_working_sets_by_hand():
     f = fp8_attention(L, m)
     cp, wide = 2, 2 * TC                 # the widest step (rank 0's chunk 2 CP - 1) sees the whole gathered K/V
     # forward (3432-3481): nothing quantized up front; k, v gathered in BF16 and index_select'ed (k_ag, v_ag: cp x the
-    # local K/V, 2 x 2 KV bytes); a step (3642-3670): q.select(..).contiguous() (half of q, Q bytes), the K/V slice
+    # local K/V, 2 x 2 KV bytes); a step (3629-3670): q.select(..).contiguous() (half of q, Q bytes), the K/V slice
     # (a view: k_ag is sequence-first), their MXFP8 copies (used_in_forward only: q and k rowwise, v columnwise);
-    # out_per_step of both steps (2 Q) and out_f16 (2 Q, 3494) in BF16, TE >= 2.18's zeroed out (2 Q, 3510)
+    # out_per_step of both steps (2 Q) and out_f16 (2 Q, 3495) in BF16, TE >= 2.18's zeroed out (2 Q, 3513)
     fwd8 = Q // 2 + 2 * K * cp + _scales(TC // 2, A_T, 0) + _scales(wide, G_T, G_T)
     gathered = 2 * cp * KV
     assert f.fwd_steps[0][1] == gathered + Q + fwd8 + 2 * Q + 2 * Q + 2 * Q

@@ -25,7 +25,7 @@ MXFP8 attention (``mxfp8``, TE 2.20.2 with ``fp8_recipe.mxfp8()``): the BF16 q, 
 ``used_in_backward`` on: q, k, v rowwise and columnwise, re-laid E8M0 scales). ``a2a`` saves those MXFP8 copies
 (``fp8_attention_qkv`` in place of ``cp_a2a_qkv``; 4974-4979: ``fp8_tensors = (q_part, k_part, v_part, None)``) and
 ``out_part``, the kernel's BF16 output before its exchange, as in BF16; the exchanged BF16 q, k, v stay referenced
-(the ``q, k, v`` locals) to the forward's end. Its backward (5085-5190) exchanges dO in BF16, keeps the exchanged dO
+(the ``q, k, v`` locals) to the forward's end. Its backward (5083-5190) exchanges dO in BF16, keeps the exchanged dO
 (``aux_ctx_tensors.append(dout)``) next to its MXFP8 copy (both ways), and exchanges the kernel's BF16 dq, dk, dv.
 The two-level MXFP8 path is the MXFP8 ring's (layers/fp8_attention.py ``mxfp8_ring_attention``).
 

@@ -759,7 +759,7 @@ def mxfp8_all_gather(L: Layout, mixer: MixerActivations) -> MixerActivations:
 
     Forward working set: K and V gathered over CP in BF16 (``gather_along_first_dim``, then ``index_select`` for the
     chunk order: ``cp x`` the local K/V, 1.5 times that while the second copy is made), kept to the function's end;
-    at a step (3642-3670) the contiguous half of q and the MXFP8 copies of it and of the K/V slice the step sees (the
+    at a step (3629-3670) the contiguous half of q and the MXFP8 copies of it and of the K/V slice the step sees (the
     slice of the sequence-first gathered K/V is contiguous already: no copy; the widest, chunk 2 CP - 1, is the whole
     gathered K/V), the BF16 partial outputs, ``out_f16`` and, from TE 2.18, the zeroed ``out``; the statistics.
 
