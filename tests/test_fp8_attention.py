@@ -1182,6 +1182,10 @@ def test_per_layer_comm_types_follow_the_layers_of_each_stage():
                        env=env))
     ring_old = _stages(lay(*fp8, fp8_dot_product_attention=True, version="0.19.2", env=env))
     assert _stages(old) == [ring_old[0], bf16[1]]
+    # the layout's own flags are the first layer's: an all_gather first layer under TE 2.14.1 is no FP8 all-gather
+    first = [lay(*fp8, "--cp-comm-type", *(["all_gather"] * 16 + ["p2p"] * 16), fp8_dot_product_attention=True,
+                 version="0.19.2", env=e).cp_kv_all_gather for e in (env, None)]
+    assert first == [False, True]
     # without FP8 attention the all_gather layers are sized as the ring: one kind, as before
     assert lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16).cp_comm_layers is None
 

@@ -55,9 +55,11 @@ def _word(v: Any) -> Any:
 
 def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     v = _fp8(a, kw, ctx)
-    if kw.get("cp_kv_all_gather") and not v.get("fp8_dot_product_attention"):
+    if kw.get("cp_kv_all_gather") and not (v.get("fp8_dot_product_attention")
+                                           and te_at_least(a.raw.env, str(ctx.version), AG_FP8_SINCE)):
         # shape.py marks the all-gather CP path where FP8 attention is asked for; where it is not kept (no FP8, TE
-        # before 2.15, NVTE_DPA_FP8_RECIPE=F16) the layout says so too
+        # before 2.15, NVTE_DPA_FP8_RECIPE=F16) the layout says so too (with one type per layer FP8 attention stays
+        # for the other layers: the first layer's all_gather runs BF16 before TE 2.15)
         v = {**v, "cp_kv_all_gather": False}
     words = kw.get("cp_comm_layers")
     if words and "all_gather" in words and not v.get("fp8_dot_product_attention"):
