@@ -44,6 +44,10 @@ MIXER_MAMBA = "mamba"              # megatron-core MambaMixer (layers/mamba.py);
 # megatron-core GatedDeltaNet (layers/gdn.py): a GPT model's linear attention layers (--experimental-attention-variant
 # gated_delta_net, --linear-attention-freq) and a hybrid model's 'G' layers
 MIXER_GDN = "gdn"
+# the mixers whose memory follows a layer's own --cp-comm-type (Transformer Engine's CP attention functions,
+# estimator/activations.py); multi-latent and sparse attention keep one model under CP (a2a is refused for MLA,
+# DSA runs all_gather only)
+CP_MIXERS = frozenset({MIXER_ATTENTION})
 # A hybrid model's layer symbols (--hybrid-layer-pattern; megatron-core 0.19.2 models/hybrid/
 # hybrid_layer_allocation.py Symbols): each layer is one half of a transformer layer, the other half a no-op
 # (MambaLayer; TransformerLayer with the MLP or the attention left IdentityOp, hybrid_layer_specs.py)
@@ -61,11 +65,14 @@ class LayerKind(NamedTuple):
     quantized: str | None = None   # the FP8 / FP4 recipe its GEMMs run in (estimator.fp8); None: BF16 / FP16
     # a heterogeneous block's own attention num_query_groups (get_config_for_layer); None: the model's
     query_groups: int | None = None
+    # the layer's own context-parallel communication type when --cp-comm-type gives several (TransformerLayer reads
+    # cp_comm_type[layer_number - 1]): a word of the layout's ``cp_comm_layers``; None: the model's one type
+    cp_comm: str | None = None
 
     @property
     def label(self) -> str:
         return (f"{self.mixer}" + (f":g{self.query_groups}" if self.query_groups else "") + f"+{self.mlp}"
-                + (f"+{self.quantized}" if self.quantized else ""))
+                + (f"+{self.quantized}" if self.quantized else "") + (f"@{self.cp_comm}" if self.cp_comm else ""))
 
 
 @dataclass(frozen=True)
@@ -178,13 +185,28 @@ def _dsa_topk_sharing(L: "Layout", runs: tuple[tuple[LayerKind, int], ...]) -> t
 def model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
     """The kinds of the model's layers in global order, as (kind, count) runs: the one place where a
     layer's recipes are chosen. Today every layer of a model is the same kind; --moe-layer-freq
-    (dense and MoE layers), MTP layers, hybrid models and DSA top-k sharing make them differ per layer."""
+    (dense and MoE layers), MTP layers, hybrid models, DSA top-k sharing and per-layer --cp-comm-type lists make
+    them differ per layer."""
+    runs = _model_kind_runs(L)
     if getattr(L, "dsa_indexer_topk_freq", 1) > 1:
-        return _dsa_topk_sharing(L, _model_kind_runs(L))
-    return _model_kind_runs(L)
+        runs = _dsa_topk_sharing(L, runs)
+    words = getattr(L, "cp_comm_layers", None)
+    if not words:
+        return runs
+    # one context-parallel communication type per layer (resolve/shape.py cp_attention): the attention layers'
+    # kinds carry theirs (TransformerLayer: cp_comm_type[layer_number - 1], the global index); other mixers have
+    # no CP attention
+    made: dict[tuple[LayerKind, str | None], LayerKind] = {}
+    kinds = kinds_from_runs(runs)
+    if len(kinds) != words.count(",") + 1:
+        return runs                               # (resolve/shape.py checks the list against --num-layers)
+    return kind_runs(tuple(
+        made.setdefault((k, w), k._replace(cp_comm=w) if w else k) for k, w in zip(kinds, (
+            word if k.mixer in CP_MIXERS else None for k, word in zip(kinds, words.split(","))))))
 
 
 def _model_kind_runs(L: "Layout") -> tuple[tuple[LayerKind, int], ...]:
+    """model_kind_runs before DSA top-k sharing and the per-layer context-parallel types."""
     mixer = _mixer(L)
     moe = L.moe
     het = L.heterogeneous_layers

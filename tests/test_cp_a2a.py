@@ -13,7 +13,7 @@ contiguous (v, a view of the qkv output, is copied)."""
 import pytest
 
 from megatron_memguard import estimate
-from megatron_memguard.errors import ConfigError, NotModelledError
+from megatron_memguard.errors import ConfigError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.layers.attention import activations as attention
 from megatron_memguard.estimator.layers.attention import attention_keeps_proj_input
@@ -145,9 +145,13 @@ def test_comm_type_rules():
     # the all-to-all splits heads and query groups per TP rank over its ranks: 4 groups per TP rank, CP 8
     with pytest.raises(ConfigError, match="cp.comm.type.*multiples of the all-to-all.s 8 ranks"):
         resolve(parse_megatron_flags(BASE + ["--context-parallel-size", "8", "--cp-comm-type", "a2a"]), world_size=32)
-    # one type per layer with an all-to-all among them is not sized (TransformerConfig asserts one per layer: BASE's 32)
-    with pytest.raises(NotModelledError, match="cp.comm.type"):
-        lay(*CP2, "--cp-comm-type", "p2p", *["a2a"] * 31)
+    # one type per layer (TransformerConfig asserts one per layer: BASE's 32): each layer's kind carries its own (was
+    # refused with an all-to-all among them; tests/test_fp8_attention.py test_per_layer_comm_types_*)
+    L = lay(*CP2, "--cp-comm-type", "p2p", *["a2a"] * 31)
+    assert L.cp_comm_layers == ",".join(["p2p"] + ["a2a"] * 31) and L.cp_a2a_size == 1   # (the first layer's)
+    # a2a+p2p with one rank on its all-to-all level is the ring: one kind, no per-layer types
+    L = lay(*CP2, "--cp-comm-type", *["p2p", "a2a+p2p"] * 16, "--hierarchical-context-parallel-sizes", "1", "2")
+    assert L.cp_comm_layers is None and L.cp_a2a_size == 1
 
 
 def test_mla_refuses_a2a():

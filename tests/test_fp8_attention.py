@@ -8,13 +8,12 @@ utils.py combine_and_quantize (one Float8Tensor for q, k, v), csrc/extensions/at
 tensors M and ZInv [b, h, s, 1] fp32), dot_product_attention.py init_fp8_metadata (only per-tensor recipes);
 megatron-core fp8_utils.get_fp8_recipe (0.16.1: fp8_dpa on delayed and tensorwise; 0.19.2: also mxfp8),
 fp4_utils.get_fp4_recipe (0.19.2 passes fp8_dpa to NVFP4BlockScaling)."""
-import re
 import textwrap
 
 import pytest
 
 from megatron_memguard import estimate
-from megatron_memguard.errors import ConfigError, NotModelledError
+from megatron_memguard.errors import ConfigError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.gpus import lookup_gpu
 from megatron_memguard.readers.detect import read_config_file
@@ -173,12 +172,11 @@ def test_which_recipes_carry_it():
     assert not L.fp8_spec.fp8_dot_product_attention
     L = lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", fp8_dot_product_attention=True, version="0.19.2")
     assert L.fp8_spec.fp8_dot_product_attention and any("MXFP8 attention" in n and "cuDNN 9.21" in n for n in L.notes)
-    # under CP: the p2p ring is sized (test_mxfp8_ring_*); the other CP types are refused by name
-    assert lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2",
-               fp8_dot_product_attention=True, version="0.19.2").fp8_spec.fp8_dot_product_attention
-    with pytest.raises(NotModelledError, match="cp.comm.type.*mxfp8 recipe with --cp-comm-type a2a"):
-        lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
-            fp8_dot_product_attention=True, version="0.19.2")
+    # under CP: every communication type is sized (test_mxfp8_ring_*, test_mxfp8_a2a_*, test_mxfp8_all_gather_*,
+    # test_mxfp8_two_level_*)
+    for comm in ("p2p", "a2a", "all_gather"):
+        assert lay("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2", "--cp-comm-type",
+                   comm, fp8_dot_product_attention=True, version="0.19.2").fp8_spec.fp8_dot_product_attention
     # nvfp4 (fp4_utils.get_fp4_recipe passes fp8_dpa, 0.19.2): TE 2.20.2 disables FusedAttention for
     # NVFP4BlockScaling and runs FP8 attention nowhere else
     with pytest.raises(ConfigError, match="fp8.dot.product.attention.*nvfp4 recipe.*no attention backend"):
@@ -359,10 +357,10 @@ def test_context_parallel_comm_types():
         L = lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", fp8_dot_product_attention=True,
                 version=version)
         assert L.cp_a2a_size == 2 and L.fp8_spec.fp8_dot_product_attention
-    # one type per layer (TransformerConfig asserts one for each of the 32 layers): the all_gather layers would run
-    # BF16 attention (TE < 2.15) or AttnFuncWithCPAndKVAllGather's FP8, the p2p ones the FP8 ring
-    with pytest.raises(NotModelledError, match="cp.comm.type.*one communication type per layer"):
-        lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True)
+    # one type per layer (TransformerConfig asserts one for each of the 32 layers): each layer's kind carries its own
+    # (test_per_layer_comm_types_*)
+    L = lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True)
+    assert L.fp8_spec.fp8_dot_product_attention and L.cp_comm_layers == ",".join(["p2p", "all_gather"] * 16)
     # a list of another length is Megatron's assert, not a refusal (before: the refusal, as for 32 types)
     with pytest.raises(ConfigError, match="gives 2 communication types for 32 layers"):
         lay(*fp8, "--cp-comm-type", "p2p", "all_gather", fp8_dot_product_attention=True)
@@ -974,7 +972,252 @@ def test_mxfp8_ring_rules():
         lay(*MX_CP, "--seq-length", "6400", fp8_dot_product_attention=True, version="0.19.2")
     assert lay(*MX_CP, "--seq-length", "6144", fp8_dot_product_attention=True,
                version="0.19.2").fp8_spec.fp8_dot_product_attention                # 1536 = 12 x 128
-    # the all-to-all, a2a+p2p and all-gather MXFP8 paths are not sized: refused naming --cp-comm-type
-    for comm in ("a2a", "all_gather", "a2a+p2p"):
-        with pytest.raises(NotModelledError, match=f"cp.comm.type.*--cp-comm-type {re.escape(comm)}"):
-            lay(*MX_CP, "--cp-comm-type", comm, fp8_dot_product_attention=True, version="0.19.2")
+    # the all-gather path's steps take the same halves (3629-3670: q.select(..) of [2, s/2, ..], the K/V of chunks
+    # 0 .. c): the same rule; the all-to-all quantizes the exchanged whole sequence (4790-4800): 6400 = 50 x 128 runs
+    with pytest.raises(ConfigError, match="256 x --context-parallel-size \\(512\\).*got 6400"):
+        lay(*MX_CP, "--cp-comm-type", "all_gather", "--seq-length", "6400", fp8_dot_product_attention=True,
+            version="0.19.2")
+    assert lay(*MX_CP, "--cp-comm-type", "a2a", "--seq-length", "6400", fp8_dot_product_attention=True,
+               version="0.19.2").fp8_spec.fp8_dot_product_attention
+    # a2a+p2p over 2 x 2: the ring's steps take halves of the s/2 tokens a rank holds after the exchange: 256 x 2
+    cp4 = MX + ("--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p")
+    with pytest.raises(ConfigError, match="256 x the ring's size in --hierarchical-context-parallel-sizes \\(512\\)"):
+        lay(*cp4, "--hierarchical-context-parallel-sizes", "2", "2", "--seq-length", "6400",
+            fp8_dot_product_attention=True, version="0.19.2")
+    # 4 x 1 is the all-to-all over every rank (attn_forward_func_with_cp): 6400 runs; 1 x 4 the ring over 4: 1024
+    assert lay(*cp4, "--hierarchical-context-parallel-sizes", "4", "1", "--seq-length", "6400",
+               fp8_dot_product_attention=True, version="0.19.2").cp_a2a_size == 4
+    with pytest.raises(ConfigError, match="\\(1024\\).*got 6400"):
+        lay(*cp4, "--hierarchical-context-parallel-sizes", "1", "4", "--seq-length", "6400",
+            fp8_dot_product_attention=True, version="0.19.2")
+
+
+# MXFP8 attention under the other CP types (TE 2.20.2 context_parallel.py, fp8_recipe.mxfp8()); the CPU referee
+# cannot run FP8: by hand from the source lines named. Llama-3.1-8B TP 2 + SP, CP 2, seq 8192, core 0.19.2 (the
+# shapes above: Q, K, KV, W elements per rank; BF16 bytes are twice that)
+def _mx_cp(comm, *extra, fp8=True):
+    return lay(*MX_CP, "--cp-comm-type", *comm, *extra, version="0.19.2",
+               **({"fp8_dot_product_attention": True} if fp8 else {}))
+
+
+def _scales(tokens, row_heads, col_heads):
+    """E8M0 scale bytes of mxfp8_transpose_swizzle's two buffers, head dim 128: 4 per token and head rowwise, 128
+    per 32 tokens and head columnwise."""
+    return tokens * row_heads * 4 + tokens // 32 * col_heads * 128
+
+
+# AttnFuncWithCPAndQKVOA2A after the all-to-all: [s = 8192, b, heads / 2, d] tensors (8, 2, 2 heads); q, k, v and dO
+# rowwise and columnwise (combine_and_quantize with used_in_backward: the quantizers' own usages, utils.py 3037-3078)
+A2A8 = 2 * W + _scales(2 * TC, 12, 12)
+A2A_DO8 = 2 * Q + _scales(2 * TC, 8, 8)
+
+
+def test_mxfp8_a2a_saved_by_hand():
+    bf16_att = layer_activations(_mx_cp(["a2a"], fp8=False)).saved
+    got = layer_activations(_mx_cp(["a2a"])).saved
+    # 4974-4979 (ctx.fp8, MXFP8): fp8_tensors = (q_part, k_part, v_part, None), the exchanged q, k, v in MXFP8 (4790-
+    # 4800), instead of the BF16 all-to-all's exchanged BF16 ones (cp_a2a_qkv, 2 W bytes; layers/cp_attention.py);
+    # f16_tensors = (.., out_part): the kernel's BF16 output before its exchange, as in BF16
+    assert bf16_att["cp_a2a_qkv"] == 2 * W and "cp_a2a_qkv" not in got
+    assert got["fp8_attention_qkv"] == A2A8 == 2 * W + 768 * 2 ** 10
+    assert got["cp_a2a_attention_output"] == bf16_att["cp_a2a_attention_output"] == 2 * Q
+    assert got["softmax_stats"] == STATS and got["proj_input"] == 2 * Q
+    # both usages of FP8 data weigh as BF16: only the scales are added, 0.75 MiB per layer per micro-batch
+    # (245.64 -> 246.39 MiB; the MXFP8 p2p ring keeps 245.64)
+    delta = sum(got.values()) - sum(bf16_att.values())
+    assert delta == A2A8 - 2 * W == 786_432
+    assert round(sum(got.values()) / 2 ** 20, 2) == 246.39
+    assert sum(layer_activations(_mx_cp(["p2p"])).saved.values()) == sum(bf16_att.values())
+
+
+def test_mxfp8_a2a_working_sets_by_hand():
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = _mx_cp(["a2a"])
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    alive = 2 * Q + 2 * K                # Megatron's rope'd BF16 q and v made contiguous (FusedAttention.forward)
+    # 4725-4733 and 4744-4758: the BF16 q (16 Mi bytes), k, v (4 Mi each) exchanged (flash_attn_a2a_communicate: peak
+    # at q's reorder, 4 q + 2 k); 4790-4800: the exchanged BF16 q, k, v (the q, k, v locals, alive to the forward's
+    # end) next to their MXFP8 copies; 4915-4925: the kernel's BF16 output (saved, out_part) exchanged back (send
+    # copy, receive buffer, contiguous copy: 3 x 2 Q) next to them
+    assert [w for _, w in f.fwd_steps[:3]] == [alive + 4 * 2 * Q + 2 * 2 * K, alive + 2 * W + A2A8,
+                                              alive + 2 * W + 3 * 2 * Q]
+    # backward (5083-5190): the BF16 dO handed in (2 Q) and its exchange (4 x 2 Q); then the exchanged dO (kept:
+    # aux_ctx_tensors.append(dout)), its MXFP8 copy both ways, the kernel's BF16 dq, dk, dv and their exchange
+    # (send copies 2 W, receive buffers of dq and dk, dq's contiguous copy)
+    bwd = 2 * Q + max(8 * Q, 2 * Q + A2A_DO8 + 2 * W + (2 * W + 4 * Q + 2 * K))
+    bf16_ring = 2 * Q + 3 * 2 * Q + 10 * KV + STATS      # attention.py _cp_attention_items' backward
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, bwd - bf16_ring, 0, 0]
+    assert {"fp8_attention_qkv", "cp_a2a_attention_output"} <= f.bwd_steps[2][0]
+    # core_attn recompute: saved unchanged (the checkpoint's BF16 q, k, v); the replay keeps the MXFP8 q, k, v,
+    # the statistic, out_part and the returned output through the backward
+    args = ("--recompute-granularity", "selective")
+    R = _mx_cp(["a2a"], *args)
+    assert layer_activations(R).saved == layer_activations(_mx_cp(["a2a"], *args, fp8=False)).saved
+    m = attention(R, {"core_attn"}, True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(R, m)
+    kept = A2A8 + STATS + 2 * Q + 2 * Q
+    bf16 = bf16_ring + 2 * KV + STATS + 2 * Q           # attention_items' recompute step under CP
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + bwd - bf16, 0, 0]
+
+
+def test_mxfp8_all_gather_saved_by_hand():
+    # 3906-3916 (ctx.fp8, MXFP8: "q/k/v/o all in f16"): f16_tensors = (q, k, v, out_f16): Megatron's rope'd q (a
+    # view), the local k and v ([s/CP, b, g/t, d], .contiguous() at 3457: v's copy), the output returned (linear_proj's
+    # proj_input) and softmax_lse_per_step of both steps (two halves of [b, a/t, s/CP]): the BF16 ring's bytes, no
+    # out_part (the ring's 2255 has no counterpart here) and no MXFP8 tensor
+    bf16_ring = layer_activations(_mx_cp(["p2p"], fp8=False)).saved
+    got = layer_activations(_mx_cp(["all_gather"])).saved
+    assert got == layer_activations(_mx_cp(["all_gather"], fp8=False)).saved == bf16_ring
+    assert got["query_rope"] == 2 * Q and got["cp_kv_buffer"] == 2 * KV and got["softmax_stats"] == STATS
+    assert "cp_a2a_attention_output" not in got and "fp8_attention_qkv" not in got
+    # against the MXFP8 p2p ring: its out_part, 16 MiB per layer per micro-batch, is not kept (229.64 MiB)
+    ring = layer_activations(_mx_cp(["p2p"])).saved
+    assert sum(ring.values()) - sum(got.values()) == 2 * Q == 16 * 2 ** 20
+    assert round(sum(got.values()) / 2 ** 20, 2) == 229.64
+
+
+def test_mxfp8_all_gather_working_sets_by_hand():
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    L = _mx_cp(["all_gather"])
+    m = attention(L, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(L, m)
+    cp, wide = 2, 2 * TC                 # the widest step (rank 0's chunk 2 CP - 1) sees the whole gathered K/V
+    # forward (3432-3481): nothing quantized up front; k, v gathered in BF16 and index_select'ed (k_ag, v_ag: cp x the
+    # local K/V, 2 x 2 KV bytes); a step (3629-3670): q.select(..).contiguous() (half of q, Q bytes), the K/V slice
+    # (a view: k_ag is sequence-first), their MXFP8 copies (used_in_forward only: q and k rowwise, v columnwise);
+    # out_per_step of both steps (2 Q) and out_f16 (2 Q, 3495) in BF16, TE >= 2.18's zeroed out (2 Q, 3513)
+    fwd8 = Q // 2 + 2 * K * cp + _scales(TC // 2, A_T, 0) + _scales(wide, G_T, G_T)
+    gathered = 2 * cp * KV
+    assert f.fwd_steps[0][1] == gathered + Q + fwd8 + 2 * Q + 2 * Q + 2 * Q
+    # backward (4035-4300): dO (BF16, not quantized up front), dq (torch.empty, BF16), dk / dv zeros of cp x TC rows
+    # (BF16), k_ag / v_ag gathered again (BF16); a step: contiguous halves of q, out, dO (3 x Q bytes), the MXFP8 q
+    # and k both ways and v rowwise (used_in_backward only), dO both ways; every step's BF16 dq/dk/dv to the end (dq's
+    # halves and the K/V of chunks r and 2 CP - r - 1: (2 CP + 1) / 2 local K/V)
+    bwd8 = ((Q + 2 * K * cp + K * cp) + (TC // 2 * A_T + 2 * wide * G_T) * 4
+            + (TC // 2 // 32 * A_T + wide // 32 * G_T) * 128)
+    do8 = Q + _scales(TC // 2, A_T, A_T)
+    held = 2 * Q + 2 * Q + gathered
+    collected = 2 * Q + 2 * (2 * cp + 1) * KV // 2
+    ag = held + gathered + collected + 3 * Q + bwd8 + do8
+    assert 3 * Q + bwd8 + do8 > gathered // 2          # the steps, not the end's reorder copy of dK
+    bf16_ring = 2 * Q + 3 * 2 * Q + 10 * KV + STATS      # attention.py _cp_attention_items' backward
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ag - bf16_ring, 0, 0]
+
+
+def test_mxfp8_two_level_a2a_p2p_by_hand():
+    # --cp-comm-type a2a+p2p, --hierarchical-context-parallel-sizes 2 2: AttnFuncWithCPAndKVP2P with cp_size_a2a 2
+    # under MXFP8 exchanges Megatron's BF16 q, k, v (1703-1722, no quantization first) and runs the MXFP8 ring over 2
+    # ranks on the exchanged ones (4096 tokens, 8 / 2 / 2 heads). In Mi elements per rank (seq 8192 / 4): q 4, k 1,
+    # v 1, W 6
+    from megatron_memguard.estimator.layers.attention import activations as attention
+    from megatron_memguard.estimator.layers.fp8_attention import fp8_attention
+    cp4 = MX + ("--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                "2", "2")
+    two = lay(*cp4, fp8_dot_product_attention=True, version="0.19.2")
+    Mi = 2 ** 20
+    Q4, K4, KV4, W4, ST4 = 4 * Mi, Mi, 2 * Mi, 6 * Mi, 1 * A_T * 2048 * 4
+    # saved (2313-2343, f16_tensors = (q, kv, out_f16), out_f16 = out_part): the exchanged BF16 q, the last BF16 ring
+    # buffer, one statistic and out_part: what the BF16 two-level path (TE 2.20.2) and the MXFP8 ring over 4 keep
+    saved = layer_activations(two).saved
+    assert saved == layer_activations(lay(*cp4, version="0.19.2")).saved
+    assert saved == layer_activations(lay(*MX, "--context-parallel-size", "4", fp8_dot_product_attention=True,
+                                          version="0.19.2")).saved
+    assert saved["cp_a2a_attention_output"] == 2 * Q4 and saved["cp_kv_buffer"] == 2 * KV4
+    m = attention(two, set(), True, False, frozenset(), frozenset(), 0)
+    f = fp8_attention(two, m)
+    # forward: 1. v made contiguous (2 Mi bytes) next to the exchange of q (8 Mi), k, v (2 Mi each): 4 q + 2 k = 36 Mi
+    # 2. Megatron's q (8) and the exchanged k, v (4) alive next to the ring over 2 ranks: 2 BF16 K/V buffers (8),
+    #    2 partial outputs in fp32 (32) with their statistics, the fp32 output (16); then (2255-2268, 2298)
+    #    out_part (8) and the fp32 output's exchange (48), larger than two steps' MXFP8 q, k, v
+    fwd8 = (Q4 + 2 * K4) + 4096 * (8 + 2) * 4 + 4096 // 32 * 2 * 128
+    ring = 2 * 2 * KV4 + 2 * (4 * Q4 + ST4) + 4 * Q4
+    assert 2 * fwd8 < 48 * Mi
+    assert [w for _, w in f.fwd_steps[:2]] == [2 * Mi + 36 * Mi, 2 * Mi + 8 * Mi + 4 * Mi + ring + 8 * Mi + 48 * Mi]
+    # backward (2540-2645, 3129-3147): BF16 dO (8), kv_recv_buffer (4), dkv send / recv [2, K+V] uint8 (8), half the
+    # statistics, fp32 dq_buffer and dkv_buffer (24); then the exchanged BF16 dO (8) next to a ring step: the BF16
+    # halves of q, out, dO (12), their MXFP8 copies, BF16 dq/dk/dv (12) and their fp32 casts (24); the fp32
+    # gradients' exchange (16 + 4 + 4 Mi bytes: 60 Mi) and dO's (32 Mi) are smaller
+    bwd8 = (2 * Q4 + 2 * K4 + K4) + 4096 * (8 + 2 + 2) * 4 + 4096 // 32 * (8 + 2) * 128
+    do8 = 2 * Q4 + 4096 * 8 * 4 + 4096 // 32 * 8 * 128
+    common = 2 * Q4 + 2 * KV4 + 2 * 2 * KV4 + ST4 // 2 + 4 * W4
+    step = 3 * Q4 + bwd8 + do8 + 2 * W4 + 4 * W4
+    assert 2 * Q4 + step > 2 * Q4 + 60 * Mi > 32 * Mi
+    bf16_ring = 2 * Q4 + 3 * 2 * Q4 + 10 * 2 * K4 + ST4   # attention.py _cp_attention_items' backward
+    assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, common + 2 * Q4 + step - bf16_ring, 0, 0]
+
+
+# --- one --cp-comm-type per layer (TransformerConfig.cp_comm_type as a list of num_layers types; megatron-core 0.19.2
+# transformer_layer.py 361-368: each TransformerLayer hands cp_comm_type[layer_number - 1] to its attention) ---
+def _stages(L):
+    """Per pipeline stage: the layer_activations term and the peak (H100; B200 for MXFP8)."""
+    e = estimate(L, gpu=lookup_gpu("B200" if L.fp8_spec.recipe == "mxfp8" else "H100-80GB"))
+    return [({t.name: t.bytes for t in s.terms}["layer_activations"], s.peak_allocated_bytes) for s in e.stages]
+
+
+def test_per_layer_comm_types_follow_the_layers_of_each_stage():
+    from megatron_memguard.partition import model_kind_runs
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--context-parallel-size", "2"]
+    ring, ag = (_stages(lay(*fp8, "--cp-comm-type", c, fp8_dot_product_attention=True)) for c in ("p2p", "all_gather"))
+    # per layer per micro-batch the FP8 ring keeps its last K/V buffer in FP8 (cp_kv_buffer, KV = 4 MiB: test_ring_*)
+    # that the all-gather path does not (test_all_gather_attention_saved_by_hand); stage 0 holds 16 layers with 2
+    # micro-batches in flight (PP 2, 1F1B), stage 1 16 with 1
+    assert [r[0] - a[0] for r, a in zip(ring, ag)] == [16 * 2 * KV, 16 * 1 * KV]
+    # the first 16 layers p2p, the last 16 all_gather: each stage is the uniform run of its layers' type
+    half = lay(*fp8, "--cp-comm-type", *(["p2p"] * 16 + ["all_gather"] * 16), fp8_dot_product_attention=True)
+    assert [(k.cp_comm, n) for k, n in model_kind_runs(half)] == [("p2p", 16), ("all_gather", 16)]
+    assert _stages(half) == [ring[0], ag[1]]
+    # alternating: 8 layers of each type on each stage
+    alt = _stages(lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16, fp8_dot_product_attention=True))
+    assert [t for t, _ in alt] == [ring[0][0] - 16 * KV, ring[1][0] - 8 * KV]
+    # TE 2.14.1 (before 2.15 AttnFuncWithCPAndKVAllGather takes no fp8): the all_gather layers run BF16 attention,
+    # the p2p layers the FP8 ring; the layout keeps FP8 attention and says so
+    env = {"MEMGUARD_TE_VERSION": "2.14.1"}
+    old = lay(*fp8, "--cp-comm-type", *(["p2p"] * 16 + ["all_gather"] * 16), fp8_dot_product_attention=True,
+              version="0.19.2", env=env)
+    assert old.fp8_spec.fp8_dot_product_attention and any("all_gather layers run BF16" in n for n in old.notes)
+    bf16 = _stages(lay(*fp8, "--cp-comm-type", "all_gather", fp8_dot_product_attention=True, version="0.19.2",
+                       env=env))
+    ring_old = _stages(lay(*fp8, fp8_dot_product_attention=True, version="0.19.2", env=env))
+    assert _stages(old) == [ring_old[0], bf16[1]]
+    # the layout's own flags are the first layer's: an all_gather first layer under TE 2.14.1 is no FP8 all-gather
+    first = [lay(*fp8, "--cp-comm-type", *(["all_gather"] * 16 + ["p2p"] * 16), fp8_dot_product_attention=True,
+                 version="0.19.2", env=e).cp_kv_all_gather for e in (env, None)]
+    assert first == [False, True]
+    # without FP8 attention the all_gather layers are sized as the ring: one kind, as before
+    assert lay(*fp8, "--cp-comm-type", *["p2p", "all_gather"] * 16).cp_comm_layers is None
+
+
+def test_per_layer_comm_types_with_an_all_to_all():
+    # BF16 attention (once refused for lists with a2a): the all-to-all keeps its output before the exchange next to
+    # linear_proj's (cp_a2a_attention_output, 2 Q = 16 MiB per layer per micro-batch: test_a2a_*); the last 16
+    # layers a2a sit on stage 1 (1 micro-batch in flight)
+    cp = ["--context-parallel-size", "2"]
+    ring, a2a = (_stages(lay(*cp, "--cp-comm-type", c)) for c in ("p2p", "a2a"))
+    assert [a[0] - r[0] for r, a in zip(ring, a2a)] == [16 * 2 * 2 * Q, 16 * 1 * 2 * Q]
+    half = lay(*cp, "--cp-comm-type", *(["p2p"] * 16 + ["a2a"] * 16))
+    assert half.cp_comm_layers == ",".join(["p2p"] * 16 + ["a2a"] * 16) and half.cp_a2a_size == 1
+    assert _stages(half) == [ring[0], a2a[1]]
+    # MXFP8 attention: p2p ring, all-to-all and all-gather layers side by side, each sized as its type alone
+    mx = [_stages(_mx_cp([c])) for c in ("p2p", "a2a", "all_gather")]
+    mixed = _stages(lay(*MX_CP, "--cp-comm-type", *(["p2p", "a2a", "all_gather"] * 10 + ["p2p", "a2a"]),
+                        fp8_dot_product_attention=True, version="0.19.2"))
+    # stage 0: layers 0-15 (6 p2p, 5 a2a, 5 all_gather), stage 1: layers 16-31 (5 p2p, 6 a2a, 5 all_gather)
+    for stage, counts in ((0, (6, 5, 5)), (1, (5, 6, 5))):
+        assert mixed[stage][0] == sum(n * m[stage][0] for n, m in zip(counts, mx)) // 16
+    # a type's own rules still hold: TE's all-to-all splits 4 KV heads per TP rank over the a2a ranks (CP 8)
+    raw = parse_megatron_flags(BASE + ["--context-parallel-size", "8", "--cp-comm-type"] + ["p2p", "a2a"] * 16)
+    with pytest.raises(ConfigError, match="cp.comm.type.*multiples of the all-to-all.s 8 ranks"):
+        resolve(raw, world_size=32)
+
+
+def test_per_layer_comm_types_need_core_0_17():
+    # megatron-core 0.16.1 transformer_layer.py 295-297 reads config.cp_comm_type[self.layer_number] with layer numbers
+    # from 1 (transformer_block.py build_layer(layer_spec, i + 1)): each layer takes the next one's type and the last
+    # layer's index is past the list (IndexError at model build); 0.17.0 (317-319) and 0.19.2 read [layer_number - 1]
+    with pytest.raises(ConfigError, match="^--cp-comm-type: gives one type per layer, which megatron-core 0.16.1 "
+                                          "cannot run .*last layer's index is past the list's end"):
+        lay("--context-parallel-size", "2", "--cp-comm-type", *["p2p", "all_gather"] * 16, version="0.16.1")
+    assert lay("--context-parallel-size", "2", "--cp-comm-type", *["p2p", "all_gather"] * 16, version="0.17.0").cp == 2

@@ -59,9 +59,13 @@ def test_fp8_attention_cp_comm_type_names_the_rule(value, text):
     one_error(run_memguard([*BRIDGE, "--set", f"model.cp_comm_type={value}"], {"c.yaml": FLAT}), f"model.cp_comm_type: {text}")
 
 
-def test_fp8_attention_per_layer_types_stay_refused():
-    o = run_memguard([*BRIDGE, "--set", "model.cp_comm_type=[p2p, all_gather, p2p, p2p]"], {"c.yaml": FLAT})
-    assert o.code == 2 and "is not modelled yet" in o.err and "one communication type per layer" in o.err, o.describe()
+def test_fp8_attention_per_layer_types_are_estimated():
+    # (refused before: "one communication type per layer ... is not modelled yet"); each layer's kind now carries its
+    # own type (megatron-core transformer_layer.py: cp_comm_type[layer_number - 1]; tests/test_fp8_attention.py
+    # test_per_layer_comm_types_*), and the layout says which
+    o = run_memguard([*BRIDGE, "--set", "model.cp_comm_type=[p2p, all_gather, p2p, p2p]", "--json"], {"c.yaml": FLAT})
+    assert o.code == 0 and not o.problems, o.describe()
+    assert json.loads(o.out)["layout"]["cp_comm_layers"] == "p2p,all_gather,p2p,p2p"
 
 
 def _layers(script: str) -> int:

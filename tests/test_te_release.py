@@ -203,13 +203,15 @@ def test_installed_te_version_is_read_from_the_loaded_module(monkeypatch):
 
 
 def test_mxfp8_linears_with_current_scaling_attention_under_cp():
-    # MXFP8 attention under the CP all-to-all stays refused (only TE 2.20.2's MXFP8 p2p ring is sized);
-    # NVTE_DPA_FP8_RECIPE=Float8CurrentScaling runs the ring in current scaling (TE >= 2.15 has the mxfp8 -> CS
-    # branch): the FP8 ring's last K/V buffer [2, s/CP, b, g/t, d] at 1 B/elem, where MXFP8's stays BF16
-    from megatron_memguard.errors import NotModelledError
+    # NVTE_DPA_FP8_RECIPE=Float8CurrentScaling runs the CP attention in current scaling (TE >= 2.15 has the mxfp8 ->
+    # CS branch): the all-to-all's exchanged q, k, v at 1 B/elem in one FP8 buffer (+ a 512 B scale), where MXFP8
+    # keeps them both ways (2 B/elem + E8M0 scales: test_fp8_attention.py test_mxfp8_a2a_*); the FP8 ring's last K/V
+    # buffer [2, s/CP, b, g/t, d] at 1 B/elem, where MXFP8's stays BF16
     mx = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--context-parallel-size", "2"]
-    with pytest.raises(NotModelledError, match="NVTE_DPA_FP8_RECIPE=Float8CurrentScaling"):
-        lay(*mx, "--cp-comm-type", "a2a", fp8_dot_product_attention=True, version="0.19.2")
+    cs = {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"}
+    a2a = [layer_activations(lay(*mx, "--cp-comm-type", "a2a", env=env, fp8_dot_product_attention=True,
+                                 version="0.19.2")).saved["fp8_attention_qkv"] for env in (None, cs)]
+    assert a2a == [2 * 4096 * QKV_W + 8192 * 12 * 4 + 8192 // 32 * 12 * 128, 4096 * QKV_W + 512]
     assert layer_activations(lay(*mx, fp8_dot_product_attention=True, version="0.19.2")).saved["cp_kv_buffer"] == (
         2 * 2 * 4096 * G_T * D)
     L = lay(*mx, env={"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"}, fp8_dot_product_attention=True,

@@ -111,8 +111,8 @@ def layer_activations(L: Layout, has_batch_mask: bool = True, kind: LayerKind | 
             kind.quantized, L.env_dict, L.megatron_version) in ("delayed", "tensorwise", "mxfp8"):
         from ..partition import MIXER_ATTENTION, MIXER_MLA
         if kind.mixer in (MIXER_ATTENTION, MIXER_MLA) and attention_kind(L) == "fused":
-            # the core attention in FP8 (TE FusedAttention, MXFP8 under TE 2.20.2, or its p2p ring under CP;
-            # resolve/fp8.py refuses the other CP communication types, MLA under CP and MXFP8 under CP)
+            # the core attention in FP8 (TE FusedAttention, MXFP8 under TE 2.20.2, or its CP functions: the p2p ring,
+            # a2a, a2a+p2p, all_gather; resolve/fp8.py refuses MLA under CP)
             from .layers.fp8_attention import fp8_attention
             mixer = fp8_attention(L, mixer, mla=kind.mixer == MIXER_MLA)
             fp8_done = True

@@ -69,6 +69,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("shape", "linear_attention_pattern linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim "
               "linear_num_key_heads linear_num_value_heads"),
     ("parallel", "cp_a2a_size cp_kv_all_gather"),
+    ("parallel", "cp_comm_layers"),
     ("batch", "eval_micro_batch_size eval_num_microbatches"),
     # FP8 / FP4 (megatron_memguard/estimator/fp8.py); to_dict writes them only when FP8 or FP4 is on
     ("precision", "fp8 fp8_recipe fp4 fp4_recipe fp8_param_gather fp4_param_gather first_last_layers_bf16 "
@@ -94,7 +95,7 @@ TUPLE_FIELDS = ("recompute_modules", "env", "notes", "cuda_graph_modules", "offl
 OMITTED_AT_DEFAULT: dict[str, object] = {
     "mtp_num_layers": 0, "cuda_graph_impl": "none", "cuda_graph_modules": (), "tp_comm_overlap_cfg": (),
     "fp8_output_proj": False, "fp8_dot_product_attention": False, "fp8_gpu": None,
-    "cp_a2a_size": 1, "cp_kv_all_gather": False,
+    "cp_a2a_size": 1, "cp_kv_all_gather": False, "cp_comm_layers": None,
     "symmetric_ar_type": None,
     "cpu_offloading_num_layers": 0,
     "fine_grained_activation_offloading": False, "offload_modules": (), "min_offloaded_tensor_size": 1024 * 1024,

@@ -47,6 +47,11 @@ class Parallelism:
     # --cp-comm-type all_gather with FP8 attention asked for (resolve/shape.py cp_attention): Transformer Engine's
     # AttnFuncWithCPAndKVAllGather, FP8 from TE 2.15 (estimator/layers/fp8_attention.py fp8_all_gather_attention)
     cp_kv_all_gather: bool = False
+    # one context-parallel communication type per layer when --cp-comm-type lists several (resolve/shape.py
+    # cp_attention): comma-separated per global layer, "p2p", "all_gather", "a2a" or "a2a+p2p:N" (N all-to-all
+    # ranks); the attention layers' kinds carry theirs (partition.py model_kind_runs, estimator/layers kind_layout);
+    # cp_a2a_size and cp_kv_all_gather above are then the first layer's. None: one type for the model
+    cp_comm_layers: str | None = None
 
     @property
     def tp(self) -> int:

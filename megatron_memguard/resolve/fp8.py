@@ -55,10 +55,17 @@ def _word(v: Any) -> Any:
 
 def fp8(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]:
     v = _fp8(a, kw, ctx)
-    if kw.get("cp_kv_all_gather") and not v.get("fp8_dot_product_attention"):
+    if kw.get("cp_kv_all_gather") and not (v.get("fp8_dot_product_attention")
+                                           and te_at_least(a.raw.env, str(ctx.version), AG_FP8_SINCE)):
         # shape.py marks the all-gather CP path where FP8 attention is asked for; where it is not kept (no FP8, TE
-        # before 2.15, NVTE_DPA_FP8_RECIPE=F16) the layout says so too
+        # before 2.15, NVTE_DPA_FP8_RECIPE=F16) the layout says so too (with one type per layer FP8 attention stays
+        # for the other layers: the first layer's all_gather runs BF16 before TE 2.15)
         v = {**v, "cp_kv_all_gather": False}
+    words = kw.get("cp_comm_layers")
+    if words and "all_gather" in words and not v.get("fp8_dot_product_attention"):
+        # per-layer types: BF16 attention sizes the all_gather layers as the ring (the p2p layers' kind)
+        words = ",".join("p2p" if w == "all_gather" else w for w in words.split(","))
+        v = {**v, "cp_comm_layers": words if len(set(words.split(","))) > 1 else None}
     return v
 
 
@@ -266,25 +273,17 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
     cp = kw.get("context_parallel_size", 1)
     if isinstance(cp, int) and cp > 1:
         # context_parallel.py (TE 2.20.2) has its own MXFP8 path in each CP type (attn_forward_func_with_cp refuses
-        # none of them); the p2p ring is sized (estimator/layers/fp8_attention.py mxfp8_ring_attention): BF16 q,
-        # K/V ring and out_part saved, per-step MXFP8 copies. The all-to-all (saves the exchanged BF16 q, k, v), its
-        # two-level a2a+p2p form and the all-gather path (AttnFuncWithCPAndKVAllGather runs MXFP8 too from TE 2.15)
-        # are not
-        raw = a.get("cp_comm_type") or ["p2p"]
-        comm = set(raw) if isinstance(raw, (list, tuple)) else {raw}
-        if comm != {"p2p"}:
-            raise NotModelledError(a.key("cp_comm_type"), "FP8 attention under the mxfp8 recipe with --cp-comm-type "
-                                   f"{' '.join(sorted(str(c) for c in comm))} (Transformer Engine 2.20.2's MXFP8 "
-                                   "all-to-all / all-gather attention; sized instead: --cp-comm-type p2p, or "
-                                   "NVTE_DPA_FP8_RECIPE=Float8CurrentScaling for the attention in current scaling "
-                                   "next to the MXFP8 linears)")
-        # each ring step quantizes its q / K/V part (cp_p2p_fwd_fused_attn -> combine_and_quantize: s_q % 128 == 0,
-        # s_kv % 128 == 0); under the causal mask the off-diagonal steps take half of a rank's s/CP tokens
+        # none of them; estimator/layers/fp8_attention.py): the p2p ring (cp_p2p_fwd_fused_attn) and the all-gather
+        # path (AttnFuncWithCPAndKVAllGather) quantize each step's q / K/V part, the all-to-all
+        # (AttnFuncWithCPAndQKVOA2A) the exchanged whole sequence, a two-level a2a+p2p its ring's parts of s/P tokens.
+        # combine_and_quantize asserts s_q % 128 == 0 and s_kv % 128 == 0; under the causal mask a ring (or
+        # all-gather) step takes half of a rank's s/ranks tokens
+        ranks, what = _mxfp8_step_ranks(a, cp)
         seq = kw.get("seq_length")
-        if isinstance(seq, int) and seq % (256 * cp):
-            a.fail(dest, f"needs --seq-length divisible by 256 x --context-parallel-size ({256 * cp}) under the mxfp8 "
-                         "recipe with context parallelism (Transformer Engine 2.20.2 quantizes each ring step's half "
-                         f"of the s/CP tokens in blocks of 128), got {seq}")
+        if ranks > 1 and isinstance(seq, int) and seq % (256 * ranks):
+            a.fail(dest, f"needs --seq-length divisible by 256 x {what} ({256 * ranks}) under the mxfp8 recipe with "
+                         "context parallelism (Transformer Engine 2.20.2 quantizes each ring or all-gather step's "
+                         f"half of a rank's tokens in blocks of 128), got {seq}")
             return False
     # combine_and_quantize (utils.py): "MXFP8 quantization requires s_q % 128 == 0, s_kv % 128 == 0, d_qk % 32 == 0,
     # d_v % 32 == 0" (an assertion at the first step)
@@ -309,6 +308,27 @@ def _mxfp8_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool) -> bo
     return True
 
 
+def _mxfp8_step_ranks(a: Args, cp: int) -> tuple[int, str]:
+    """Over how many ranks an MXFP8 attention step splits a sequence's tokens (with the flag that sets them): CP for
+    the p2p ring and the all-gather path, the ring's level of a two-level a2a+p2p, none (1) for the all-to-all over
+    every rank; the largest over per-layer types. A malformed value gives 1 (resolve/shape.py reports it)."""
+    raw = a.get("cp_comm_type") or ["p2p"]
+    comm = set(raw) if isinstance(raw, (list, tuple)) else {raw}
+    best = (1, "")
+    for c in comm:
+        if c in ("p2p", "all_gather"):
+            best = max(best, (cp, "--context-parallel-size"))
+        elif c == "a2a+p2p":
+            sizes = a.get("hierarchical_context_parallel_sizes")
+            try:
+                sizes = [int(x) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes or "").split())]
+            except ValueError:
+                continue
+            if len(sizes) == 2 and sizes[0] < cp:      # an a2a level over every rank is the all-to-all (no ring)
+                best = max(best, (sizes[1], "the ring's size in --hierarchical-context-parallel-sizes"))
+    return best
+
+
 def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: Context) -> bool:
     """FP8 attention with context parallelism: whether Transformer Engine runs it in FP8 (False: BF16). Its
     all-to-all ranks are the BF16 attention's (``cp_a2a_size``, resolve/shape.py ``cp_attention``, with TE's heads
@@ -329,30 +349,28 @@ def _ring_attention(a: Args, dest: str, kw: Mapping[str, Any], mla: bool, ctx: C
         a.fail(dest, "cannot be used with multi-latent attention under context parallelism (Transformer Engine 2.11 "
                     "has no attention backend for FP8 MLA with CP)")
         return False
-    if comm == {"all_gather"}:
+    if "all_gather" in comm:
         te = te_version_text(a.raw.env, str(ctx.version))
         if not te_at_least(a.raw.env, str(ctx.version), AG_FP8_SINCE):
-            # TE 2.11 to 2.14.1: AttnFuncWithCPAndKVAllGather takes no fp8 argument, its kernels run in BF16
-            a.notes.append(f"{key}: no effect with --cp-comm-type all_gather under Transformer Engine {te} (its "
-                           "all-gather context parallelism runs BF16 attention before 2.15): attention is estimated "
-                           "in BF16")
-            return False
-        # TE 2.15.0 on (to 2.20.2): attn_forward_func_with_cp hands fp8 to AttnFuncWithCPAndKVAllGather, which
-        # gathers the FP8 K/V (estimator/layers/fp8_attention.py fp8_all_gather_attention)
-        a.notes.append(f"{key}: with --cp-comm-type all_gather Transformer Engine {te} runs FP8 attention on the K/V "
-                       "gathered in FP8 (from 2.15; before it, BF16)")
-        return True
-    if len(comm) > 1 or not comm <= {"p2p", "a2a", "a2a+p2p"}:
-        # per-layer communication types (a list of several; with a2a or a2a+p2p among them resolve/shape.py refuses the
-        # list for BF16 attention too): p2p and all_gather layers would differ in more than the CP exchange, FP8 ring
-        # attention in the first, BF16 attention in the second, and memguard's layer kinds carry one attention
-        # precision per model part (partition.py), not one per CP type
-        raise NotModelledError(a.key("cp_comm_type"), f"FP8 attention with --cp-comm-type {' '.join(sorted(comm))} "
-                               "(one communication type per layer: the all_gather and p2p layers run different "
-                               "FP8 attention functions, or BF16 and FP8 before Transformer Engine 2.15; each type "
-                               "alone is sized)")
+            # TE 2.11 to 2.14.1: AttnFuncWithCPAndKVAllGather takes no fp8 argument, its kernels run in BF16; with one
+            # type per layer the other layers keep FP8 attention (estimator/layers kind_layout: the all_gather
+            # layers' kind turns it off)
+            if comm == {"all_gather"}:
+                a.notes.append(f"{key}: no effect with --cp-comm-type all_gather under Transformer Engine {te} (its "
+                               "all-gather context parallelism runs BF16 attention before 2.15): attention is "
+                               "estimated in BF16")
+                return False
+            a.notes.append(f"{key}: the --cp-comm-type all_gather layers run BF16 attention under Transformer Engine "
+                           f"{te} (its all-gather context parallelism takes no FP8 before 2.15); the others FP8")
+        else:
+            # TE 2.15.0 on (to 2.20.2): attn_forward_func_with_cp hands fp8 to AttnFuncWithCPAndKVAllGather, which
+            # gathers the FP8 K/V (estimator/layers/fp8_attention.py fp8_all_gather_attention)
+            a.notes.append(f"{key}: with --cp-comm-type all_gather Transformer Engine {te} runs FP8 attention on the "
+                           "K/V gathered in FP8 (from 2.15; before it, BF16; MXFP8 gathers them in BF16 and quantizes "
+                           "each step's slice)")
     # a2a+p2p over two levels: TE 2.11's (core 0.16) and TE 2.20.2's (core >= 0.17) AttnFuncWithCPAndKVP2P with
-    # cp_size_a2a > 1 are both sized (estimator/layers/fp8_attention.py fp8_ring_attention)
+    # cp_size_a2a > 1 are both sized (estimator/layers/fp8_attention.py fp8_ring_attention); one type per layer: each
+    # layer's kind carries its own (resolve/shape.py cp_attention)
     return True
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from packaging.version import Version
+
 from ..errors import ConfigError, NotModelledError
 from ..numbers import shown, to_int
 from .args import Args, Context, Stop
@@ -113,31 +115,63 @@ def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
     items = list(raw) if isinstance(raw, (list, tuple)) else [raw]
     if len(items) not in (1, kw.get("num_layers")) or any(c not in CP_COMM_TYPES for c in items):
         return {}                                      # _check_cp_comm reports it
+    if len(items) > 1 and ctx.version < Version("0.17"):
+        # megatron-core 0.16.1 transformer_layer.py: "config.cp_comm_type[self.layer_number]" with layer numbers from 1
+        # (transformer_block.py build_layer(layer_spec, i + 1)): each layer takes the next layer's type and the last
+        # one's index is past the list's end; 0.17.0 reads cp_comm_type[self.layer_number - 1]
+        a.fail("cp_comm_type", f"gives one type per layer, which megatron-core {ctx.version} cannot run (its "
+               "TransformerLayer reads cp_comm_type[layer_number] with layer numbers from 1: the last layer's index is "
+               "past the list's end; megatron-core 0.17 reads cp_comm_type[layer_number - 1])",
+               "give one type for all layers, or run megatron-core 0.17 or later",
+               fails_later="at model build (TransformerLayer.__init__ raises IndexError on the last layer)")
+        return {}
     comm = set(items)
-    if len(comm) > 1 and comm & {"a2a", "a2a+p2p"}:
-        # per-layer communication types (TransformerConfig.cp_comm_type as a list): each layer would be sized by its own
-        raise NotModelledError(a.key("cp_comm_type"), f"--cp-comm-type {' '.join(sorted(comm))} (one communication "
-                               "type per layer with an all-to-all among them: each layer's attention is not sized by "
-                               "its own type)")
-    if comm == {"a2a"}:
+    if len(comm) == 1:
+        return _one_cp_type(a, kw, items[0], cp) or {}
+    # one communication type per layer (TransformerConfig.cp_comm_type as a list; TransformerLayer takes
+    # cp_comm_type[layer_number - 1]): each layer is sized by its own (its kind's cp_comm, partition.py); the layout's
+    # cp_a2a_size / cp_kv_all_gather are the first layer's
+    settings = {c: _one_cp_type(a, kw, c, cp) for c in sorted(comm)}
+    if any(v is None for v in settings.values()):
+        return {}
+    words = {c: _cp_word(c, v, cp) for c, v in settings.items()}
+    layers = [words[c] for c in items]
+    if len(set(layers)) == 1:                          # e.g. p2p next to an a2a+p2p with one all-to-all rank
+        return settings[items[0]]
+    return {**settings[items[0]], "cp_comm_layers": ",".join(layers)}
+
+
+def _cp_word(comm: str, settings: Mapping[str, Any], cp: int) -> str:
+    """A layer's word in ``cp_comm_layers`` (estimator/layers ``cp_comm_settings`` reads it back): the all-to-all
+    over every rank, a two-level one with its all-to-all ranks, the all-gather path where FP8 attention may take it
+    (BF16 attention sizes it as the ring), else the ring."""
+    a2a = settings.get("cp_a2a_size", 1)
+    if a2a > 1:
+        return "a2a" if a2a == cp else f"a2a+p2p:{a2a}"
+    return "all_gather" if settings.get("cp_kv_all_gather") else "p2p"
+
+
+def _one_cp_type(a: Args, kw: Mapping[str, Any], comm: str, cp: int) -> dict[str, Any] | None:
+    """cp_attention's settings for one communication type; None where a rule it breaks was reported."""
+    if comm == "a2a":
         a2a = cp
-    elif comm == {"all_gather"}:
+    elif comm == "all_gather":
         # AttnFuncWithCPAndKVAllGather: BF16 attention is sized as the ring (the layout is unchanged); FP8 attention
         # there follows the run's TE (resolve/fp8.py _ring_attention, estimator/layers/fp8_attention.py)
         fp8_attn = a.bool_arg("fp8_dot_product_attention", False) or a.bool_arg("fp8_multi_head_attention", False)
         return dict(cp_kv_all_gather=True) if fp8_attn else {}
-    elif comm == {"a2a+p2p"}:
+    elif comm == "a2a+p2p":
         sizes = a.get("hierarchical_context_parallel_sizes")
         try:
             sizes = [int(x) for x in (sizes if isinstance(sizes, (list, tuple)) else str(sizes or "").split())]
         except ValueError:
-            return {}                                  # _check_cp_comm reports it
+            return None                                # _check_cp_comm reports it
         if len(sizes) != 2:
             # attn_forward_func_with_cp: "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
             if sizes:
                 a.fail("hierarchical_context_parallel_sizes", "must give two sizes (the all-to-all ranks, then the "
                        "ring's) with --cp-comm-type a2a+p2p (Transformer Engine takes two CP groups)")
-            return {}
+            return None
         a2a = sizes[0]
     else:
         return {}
@@ -149,7 +183,7 @@ def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
         # cp_comm_type='a2a'" (k's head dim differs from v's)
         a.fail("cp_comm_type", "a2a cannot be used with --multi-latent-attention (Transformer Engine's context "
                                "parallelism runs MLA only with p2p or a2a+p2p)")
-        return {}
+        return None
     # flash_attn_a2a_communicate (TE 2.11 and 2.20.2) splits the heads of q and of k over the all-to-all ranks
     # (AttnFuncWithCPAndQKVOA2A asserts "The number of attention heads needs to be divisible by CP size!"); k has
     # max(1, g / TP) heads per rank: megatron-core replicates the KV heads when TP > query groups
@@ -161,7 +195,7 @@ def cp_attention(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str, Any]
         a.fail("cp_comm_type", f"{'a2a' if a2a == cp else 'a2a+p2p'} needs the attention heads ({a_t}) and query "
                                f"groups ({g_t}) of a tensor-parallel rank to be multiples of the all-to-all's "
                                f"{a2a} ranks (Transformer Engine's all-to-all splits the heads over them)")
-        return {}
+        return None
     return dict(cp_a2a_size=a2a)
 
 

@@ -43,7 +43,27 @@ def kind_layout(L: Any, kind: LayerKind) -> Any:
         own["num_query_groups"] = kind.query_groups
     if kind.mixer == MIXER_DSA_SHARED:
         own["dsa_skip_topk"] = True      # a DSA layer reusing another's top-k: no indexer (layers/dsa.py)
+    if kind.cp_comm:
+        own.update(cp_comm_settings(L, kind.cp_comm))
     return L.replace(**own) if own else L
 
 
-__all__ = ["LayerKind", "MIXERS", "MLPS", "kind_layout", "mixer_recipe", "mlp_recipe"]
+def cp_comm_settings(L: Any, word: str) -> dict[str, Any]:
+    """The layout settings of one layer's context-parallel communication type (a word of ``cp_comm_layers``,
+    resolve/shape.py ``cp_attention``): the all-to-all's ranks (``a2a``: every CP rank; ``a2a+p2p:N``: N, around a
+    ring over the others; ``p2p``, ``all_gather``: none) and, for ``all_gather`` with FP8 attention, Transformer
+    Engine's FP8 all-gather path from TE 2.15 (``AttnFuncWithCPAndKVAllGather`` takes ``fp8``) or, before it, BF16
+    attention in that layer (no ``fp8`` argument: the p2p layers beside it still run FP8)."""
+    name, _, size = word.partition(":")
+    own: dict[str, Any] = {"cp_a2a_size": int(size) if size else (L.cp if name == "a2a" else 1),
+                           "cp_kv_all_gather": False}
+    if name == "all_gather" and L.fp8_spec.fp8_dot_product_attention:
+        from ..te_release import AG_FP8_SINCE, te_at_least
+        if te_at_least(L.env_dict, L.megatron_version, AG_FP8_SINCE):
+            own["cp_kv_all_gather"] = True
+        else:
+            own["fp8_dot_product_attention"] = False
+    return own
+
+
+__all__ = ["LayerKind", "MIXERS", "MLPS", "cp_comm_settings", "kind_layout", "mixer_recipe", "mlp_recipe"]

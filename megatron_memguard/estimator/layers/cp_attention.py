@@ -20,6 +20,15 @@ Sizes per layer, this CP rank: ``Q`` bytes of q (and of the output), ``[b s/CP, 
   output before its exchange (``out_part``): ``cp_a2a_attention_output`` = Q next to linear_proj's (flash: in place of
   ``attention_output_bshd``). The ring's working sets count ``CP / cp_a2a_size`` steps.
 
+MXFP8 attention (``mxfp8``, TE 2.20.2 with ``fp8_recipe.mxfp8()``): the BF16 q, k, v are exchanged as above
+(4725-4733: no quantization before it) and then quantized (4790-4800: ``combine_and_quantize`` with
+``used_in_backward`` on: q, k, v rowwise and columnwise, re-laid E8M0 scales). ``a2a`` saves those MXFP8 copies
+(``fp8_attention_qkv`` in place of ``cp_a2a_qkv``; 4974-4979: ``fp8_tensors = (q_part, k_part, v_part, None)``) and
+``out_part``, the kernel's BF16 output before its exchange, as in BF16; the exchanged BF16 q, k, v stay referenced
+(the ``q, k, v`` locals) to the forward's end. Its backward (5083-5190) exchanges dO in BF16, keeps the exchanged dO
+(``aux_ctx_tensors.append(dout)``) next to its MXFP8 copy (both ways), and exchanges the kernel's BF16 dq, dk, dv.
+The two-level MXFP8 path is the MXFP8 ring's (layers/fp8_attention.py ``mxfp8_ring_attention``).
+
 Not counted: the rng state (a few bytes), cuDNN's workspace (not counted without CP either), Megatron's rope'd k
 and its qkv output alive through the forward (not counted for the ring either)."""
 from __future__ import annotations
@@ -65,12 +74,20 @@ def a2a_peak(sizes: tuple[int, ...], before_attn: bool) -> int:
     return peak
 
 
-def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+def cp_a2a_attention(L: Layout, mixer: MixerActivations, mxfp8: bool = False) -> MixerActivations:
     """The BF16 attention mixer of a layer whose CP attention runs an all-to-all (``L.cp_a2a_size`` > 1), from the
-    p2p ring's mixer ``mixer`` (fused or flash backend; with or without ``core_attn`` recompute)."""
+    p2p ring's mixer ``mixer`` (fused or flash backend; with or without ``core_attn`` recompute). ``mxfp8``: the
+    all-to-all over every CP rank running MXFP8 attention (the FP8 layers' core attention, TE 2.20.2)."""
     from .attention import _cp_attention_items, _gated, _te_ring_out_part, qkv_out_per_rank
     x = shapes(L)
     e = x.e
+    qkv8 = do8 = 0
+    if mxfp8:
+        # the exchanged q, k, v ([s, b, heads / CP, d]) and dO in MXFP8, both usages each
+        from .fp8_attention import mxfp8_attention_tensors
+        n, tok = L.cp_a2a_size, L.cp_a2a_size * x.Tf
+        qkv8 = mxfp8_attention_tensors(tok, ((x.a_t // n, x.d), (x.g_t // n, x.d), (x.g_t // n, x.d)))
+        do8 = mxfp8_attention_tensors(tok, ((x.a_t // n, x.d),))
     Q = x.Tf * x.a_t * x.d * e
     K = x.Tf * x.g_t * x.d * e
     W = Q + 2 * K
@@ -87,8 +104,9 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
     # the output saved before its exchange, apart from linear_proj's: a2a, and TE >= 2.15's two-level path
     out_part = not two_level or _te_ring_out_part(L)
     if not two_level:
-        # backward: dO handed in; its exchange; the kernel's dq, dk, dv (with the exchanged dO) and their exchange
-        bwd = Q + max(a2a_peak((Q,), True), Q + W + a2a_peak((Q, K, K), False))
+        # backward: dO handed in; its exchange; the kernel's dq, dk, dv (with the exchanged dO; MXFP8: next to its
+        # MXFP8 copy) and their exchange
+        bwd = Q + max(a2a_peak((Q,), True), Q + do8 + W + a2a_peak((Q, K, K), False))
     else:
         # TE 2.11 exchanges the saved output with dO ([out, dout]) before the ring, TE 2.20.2 dO alone; both are kept
         # through the ring, whose dO is the exchanged one (ring_bwd counts a dO: the one in ``held``); then the ring's
@@ -104,8 +122,9 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         # through its backward. v made contiguous (FusedAttention.forward; flash: q, k, v copied to [b, s, h, d])
         # throughout
         if not two_level:
-            kept = W + stats + Q + Q
-            fwd = max(qkv_in, W + stats + Q + out_a2a)
+            # (MXFP8: the exchanged BF16 q, k, v next to their saved MXFP8 copies)
+            kept = (qkv8 if mxfp8 else W) + stats + Q + Q
+            fwd = max(qkv_in, W + qkv8 + stats + Q + out_a2a)
         else:
             kept = Q + 2 * K + stats + Q + (Q if out_part else 0)   # exchanged q, last K/V buffer, statistic, output
             fwd = max(qkv_in, Q + ring_fwd, Q + 2 * K + stats + Q + out_a2a)
@@ -122,7 +141,8 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         if name == "attention_output_bshd" and out_part:
             continue                                   # flash: the output before the exchange is the one kept
         if name == "cp_kv_buffer" and not two_level:
-            new["cp_a2a_qkv"] = W                      # the exchanged q, k, v in place of the ring's buffer
+            # the exchanged q, k, v in place of the ring's buffer (MXFP8: their MXFP8 copies)
+            new["fp8_attention_qkv" if mxfp8 else "cp_a2a_qkv"] = qkv8 if mxfp8 else W
             continue
         new[name] = b
         if name == "softmax_stats" and out_part:
@@ -135,6 +155,12 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         fwd = ((names | made, alive + qkv_in),
                # the kernel's output (saved) and its exchange back into proj_input (flash: a copy of it)
                (names | {"attention_output_bshd"}, alive + out_a2a))
+        if mxfp8:
+            # the exchanged BF16 q, k, v (not saved: the q, k, v locals, to the forward's end) quantized, their MXFP8
+            # copies counted here while made; then the output's exchange next to them
+            made |= {"fp8_attention_qkv"}
+            fwd = ((names | made, alive + qkv_in), (names | made, alive + W + qkv8),
+                   (names | {"attention_output_bshd"}, alive + W + out_a2a))
     else:
         ring_names = {"cp_kv_buffer", "softmax_stats", "attention_output_bshd"} | _A2A_NAMES
         fwd = ((names | made, alive + qkv_in),
@@ -147,6 +173,6 @@ def cp_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         if i == core:
             w += bwd - ring_bwd
         elif "softmax_stats" in rel:
-            rel = rel | _A2A_NAMES
+            rel = rel | _A2A_NAMES | ({"fp8_attention_qkv"} if mxfp8 else set())
         steps.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(steps))

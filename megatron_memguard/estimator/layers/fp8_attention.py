@@ -1,7 +1,8 @@
 """FP8 core attention (``fp8_dot_product_attention``): what Transformer Engine 2.11's FusedAttention keeps
 and holds when an FP8 layer runs its dot-product attention in FP8 (the delayed and tensorwise recipes, the only
 ones TE 2.11's DotProductAttention accepts; the mxfp8 recipe as TE 2.20.2 runs it: ``mxfp8_attention`` and, under
-the CP ring, ``mxfp8_ring_attention``, at the end; resolve/fp8.py refuses or drops the others).
+CP, ``mxfp8_ring_attention`` (p2p, a2a+p2p), ``mxfp8_all_gather`` and layers/cp_attention.py (a2a), at the end;
+resolve/fp8.py refuses or drops the others).
 
 Source: TE 2.11 ``attention/dot_product_attention/backends.py`` ``FusedAttnFunc`` (forward and backward),
 ``utils.py`` ``combine_and_quantize``, ``csrc/extensions/attention.cpp`` ``fused_attn_fwd`` (aux tensors):
@@ -86,10 +87,13 @@ def fp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mixe
         # the all-to-all over every CP rank (a2a), or the ring (p2p; a2a+p2p over two levels: the ring with a2a ranks)
         a2a = L.cp_a2a_size
         if dpa_recipe(L) == "mxfp8":
-            if a2a > 1:                                # resolve/fp8.py refuses it first; a guard for other callers
-                from ...errors import NotModelledError
-                raise NotModelledError("--cp-comm-type", "MXFP8 attention with a context-parallel all-to-all")
-            return mxfp8_ring_attention(L, mixer)
+            if a2a == L.cp:
+                # AttnFuncWithCPAndQKVOA2A: BF16 q, k, v exchanged, then quantized (layers/cp_attention.py)
+                from .cp_attention import cp_a2a_attention
+                return cp_a2a_attention(L, mixer, mxfp8=True)
+            if L.cp_kv_all_gather:
+                return fp8_all_gather_attention(L, mixer)
+            return mxfp8_ring_attention(L, mixer, a2a)
         if a2a == L.cp:
             return fp8_a2a_attention(L, mixer)
         if L.cp_kv_all_gather:                        # resolve/fp8.py keeps FP8 here from TE 2.15 only
@@ -340,12 +344,20 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
     (``torch.zeros((k_shape[0] * cp_size, ...))``), K/V gathered again in FP8; per step the contiguous halves of q,
     out, dO and the K/V slice, each step's BF16 dq/dk/dv kept in ``dq_per_step`` etc. to the end (delayed: FP8 first,
     then dequantized); at the end the chunk reorder of dK/dV (``index_select``, one at a time) and their
-    reduce-scatter."""
+    reduce-scatter.
+
+    MXFP8 (TE 2.20.2, ``fp8_recipe.mxfp8()``): nothing is quantized up front (3432-3437); K and V are gathered in
+    BF16 and each step quantizes its own half of q and slice of the gathered K/V (``combine_and_quantize``, 3657-3670:
+    used_in_forward only, q and k rowwise, v columnwise); saved (3906-3916, ``f16_tensors = (q, k, v, out_f16)``):
+    the BF16 q (a view of Megatron's), the local BF16 k and v (``.contiguous()``: v's copy) and the output returned,
+    with the steps' statistics: the ring's bytes, so the BF16 ring's saved tensors stand (``mxfp8_all_gather``)."""
     from .attention import _cp_attention_items, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
     e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
     recipe = dpa_recipe(L)
+    if recipe == "mxfp8":
+        return mxfp8_all_gather(L, mixer)
     delayed = recipe == "delayed"
     gated = _gated(L) == 2
     core = 2 if gated else 1                           # the core attention's backward step
@@ -552,16 +564,23 @@ def mxfp8_usage_tensors(Tf: int, items: tuple[tuple[int, int, bool, bool], ...])
     branches): per usage E data bytes; the row scales ``[b, h, s, align4(dim/32)]`` of the rowwise tensors share
     one buffer, the column scales ``[b, h, s/32, align128(dim)]`` of the columnwise ones another (``_build_outputs``
     makes none when no tensor has that usage)."""
-    data = sum((row + col) * _alloc(Tf * h * dim) for h, dim, row, col in items)
-    rows = sum(Tf * h * _round(dim // 32, 4) for h, dim, row, _ in items if row)
-    cols = sum(Tf // 32 * h * _round(dim, 128) for h, dim, _, col in items if col)
+    return mxfp8_token_tensors(tuple((Tf, h, dim, row, col) for h, dim, row, col in items))
+
+
+def mxfp8_token_tensors(items: tuple[tuple[int, int, int, bool, bool], ...]) -> int:
+    """``mxfp8_usage_tensors`` for tensors of their own token counts, ``(tokens, heads, dim, rowwise,
+    columnwise)``: the all-gather path quantizes half of q next to a slice of the gathered K/V in one call."""
+    data = sum((row + col) * _alloc(t * h * dim) for t, h, dim, row, col in items)
+    rows = sum(t * h * _round(dim // 32, 4) for t, h, dim, row, _ in items if row)
+    cols = sum(t // 32 * h * _round(dim, 128) for t, h, dim, _, col in items if col)
     return data + (_alloc(rows) if rows else 0) + (_alloc(cols) if cols else 0)
 
 
 def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> MixerActivations:
     """FP8 attention under the mxfp8 recipe (megatron-core >= 0.17 with TE 2.20.2), without context parallelism
-    (the p2p ring: ``mxfp8_ring_attention``; resolve/fp8.py refuses the other CP types). ``DotProductAttention`` keeps the MXFP8 recipe for the attention
-    (``NVTE_DPA_FP8_RECIPE`` unset; or switches to it, ``MXFP8BlockScaling``, TE >= 2.15) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
+    (under CP: ``mxfp8_ring_attention``, ``mxfp8_all_gather``, layers/cp_attention.py ``cp_a2a_attention``).
+    ``DotProductAttention`` keeps the MXFP8 recipe for the attention (``NVTE_DPA_FP8_RECIPE`` unset; or switches to
+    it, ``MXFP8BlockScaling``, TE >= 2.15) and ``FusedAttnFunc`` (backends.py) runs cuDNN's MXFP8 kernel:
 
     * forward: q, k, v are made contiguous where they are views (``get_qkv_layout``) and quantized one by one (no
       concatenation: ``combine_and_quantize``'s MXFP8 fast path for sbhd_sbhd_sbhd), each rowwise and columnwise
@@ -626,7 +645,7 @@ def mxfp8_attention(L: Layout, mixer: MixerActivations, mla: bool = False) -> Mi
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
 
 
-def mxfp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
+def mxfp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> MixerActivations:
     """MXFP8 attention under context parallelism with cp_comm_type p2p: Transformer Engine 2.20.2's
     ``AttnFuncWithCPAndKVP2P`` with ``fp8`` and ``fp8_recipe.mxfp8()`` (``context_parallel.py``; TE >= 2.15, the
     first release with MXFP8 attention; 2.15 to 2.19 keep every ring step's buffer and partial output,
@@ -651,11 +670,22 @@ def mxfp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations
     and ``dkv_buffer``, the second half of the statistics made contiguous; per step: the BF16 halves of q, out and
     dO, their MXFP8 copies (used_in_backward, utils.py 3414-3420: q and k both ways, v rowwise; dO rowwise and
     columnwise), the kernel's BF16 dq, dk, dv and their fp32 casts (2875-2876); at the end the fp32 gradients
-    returned, cast to BF16 by autograd."""
+    returned, cast to BF16 by autograd.
+
+    ``a2a`` > 1: ``--cp-comm-type a2a+p2p`` over two levels (``cp_size_a2a`` > 1): Megatron's BF16 q, k, v are
+    exchanged over the ``a2a`` ranks first (1703-1722: no quantization before it for MXFP8) and the MXFP8 ring runs
+    over ``CP / a2a`` ranks on the exchanged ones (``a2a`` x the tokens, heads / ``a2a``: the same elements), so it
+    saves what the BF16 two-level path of TE 2.20.2 saves (the exchanged q, the last ring buffer, the statistic,
+    ``out_part``). Forward: Megatron's q stays alive (the caller's) next to the exchanged q, and the exchanged k
+    and v stay referenced to the forward's end (no FP8 rebinding of ``q, k, v`` as for the per-tensor recipes);
+    at the end ``out_part`` is cast from the fp32 output (2255), the fp32 output is exchanged back (2257-2268) and
+    cast to the BF16 output returned (2298). Backward: dO is exchanged in BF16 after the ring's buffers are made
+    (2632-2645) and kept through the ring as its dO; the fp32 dq and dK/dV (``dq_buffer``, views of
+    ``dkv_buffer``) are exchanged after it (3129-3147)."""
     from .attention import _cp_attention_items, _te_keeps_every_cp_step, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
-    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
+    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp // a2a         # cp: the ring's ranks
     gated = _gated(L) == 2
     core = 2 if gated else 1                           # the core attention's backward step
     Q = Tf * x.a_t * d                                 # q (and the output) elements
@@ -666,32 +696,52 @@ def mxfp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations
     rope = L.position_embedding_type in ("rope", "yarn")
     _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
     n_ring, n_out = (cp - 1, cp) if _te_keeps_every_cp_step(L) else (2, 2)
-    heads = ((x.a_t, d), (x.g_t, d), (x.g_t, d))
-    fwd8 = mxfp8_usage_tensors(Tf, tuple((h, dim, u, not u) for (h, dim), u in zip(heads, (True, True, False))))
-    bwd8 = mxfp8_usage_tensors(Tf, tuple((h, dim, True, c) for (h, dim), c in zip(heads, (True, True, False))))
-    do8 = mxfp8_usage_tensors(Tf, ((x.a_t, d, True, True),))
+    tok = a2a * Tf                                     # the ring's tokens (after the all-to-all, if any)
+    heads = ((x.a_t // a2a, d), (x.g_t // a2a, d), (x.g_t // a2a, d))
+    fwd8 = mxfp8_usage_tensors(tok, tuple((h, dim, u, not u) for (h, dim), u in zip(heads, (True, True, False))))
+    bwd8 = mxfp8_usage_tensors(tok, tuple((h, dim, True, c) for (h, dim), c in zip(heads, (True, True, False))))
+    do8 = mxfp8_usage_tensors(tok, ((x.a_t // a2a, d, True, True),))
     # the ring: buffers in flight, fp32 partial outputs and statistics, the fp32 output; then two steps' MXFP8
-    # q, k, v (two streams) or the end's two BF16 casts of the output (out_part, out_f16)
+    # q, k, v (two streams) or the end's two BF16 casts of the output (out_part, out_f16); a2a+p2p: out_part, then
+    # the fp32 output's exchange (send copy, receive buffer, reordered copy) and the BF16 cast of the exchanged one
     ring = n_ring * KV * e + n_out * (4 * Q + stats) + 4 * Q
-    ring_fwd = ring + max(2 * fwd8, 2 * e * Q)
+    end = e * Q + max(a2a_peak((4 * Q,), False), 4 * Q + e * Q) if a2a > 1 else 2 * e * Q
+    ring_fwd = ring + max(2 * fwd8, end)
     # backward: dO, the K/V receive buffer, dK/dV send and receive [cp, K+V] uint8, half the statistics, the fp32
     # dq and dK/dV accumulators; each step's BF16 halves of q, out, dO, their MXFP8 copies, BF16 dq/dk/dv and
-    # their fp32 casts; or the BF16 casts of the fp32 gradients returned
+    # their fp32 casts; or the BF16 casts of the fp32 gradients returned (a2a+p2p: the exchanged dO kept through
+    # the ring; before it dO's exchange, after it the fp32 gradients')
     common = e * Q + e * KV + 2 * cp * KV + stats // 2 + 4 * W
-    ring_bwd = common + max(3 * e * Q // 2 + bwd8 + do8 + e * W + 4 * W, e * W)
+    step = 3 * e * Q // 2 + bwd8 + do8 + e * W + 4 * W
+    if a2a > 1:
+        ring_bwd = common + max(a2a_peak((e * Q,), True), e * Q + step,
+                                e * Q + a2a_peak((4 * Q, 2 * KV, 2 * KV), False))
+    else:
+        ring_bwd = common + max(step, e * W)
+    # a2a+p2p: Megatron's BF16 q, k, v exchanged (the results included), then Megatron's q alive next to the
+    # exchanged one the ring saves, and the exchanged k, v referenced to the forward's end
+    extra = q + 2 * kv1 if a2a > 1 else 0
     (names, _), *rest = mixer.fwd_steps
     if "softmax_stats" not in saved:
         # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved unchanged); its no-grad forward makes
         # the ring's transients, and the backward's replay keeps the ring's saved tensors (the last BF16 ring
-        # buffer, the statistics, out_part) and the BF16 output it returns through the ring's backward
-        kept = e * KV + stats + 2 * e * Q
+        # buffer, the statistics, out_part; a2a+p2p: the exchanged q) and the BF16 output it returns through the
+        # ring's backward
+        kept = e * KV + stats + 2 * e * Q + (q if a2a > 1 else 0)
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
         bwd = tuple((rel, w + kept + ring_bwd - bf16 if i == core else w)
                     for i, (rel, w) in enumerate(mixer.bwd_steps))
-        return mixer._replace(fwd_steps=((names, kv1 + ring_fwd),) + tuple(rest), bwd_steps=bwd)
+        fwd = ((names, kv1 + extra + ring_fwd),)
+        if a2a > 1:
+            fwd = ((names, kv1 + a2a_peak((q, kv1, kv1), True)),) + fwd
+        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
     new = dict(saved)
     new["cp_a2a_attention_output"] = e * Q             # out_part (counted in the forward's end while made)
-    fwd = ((names | {"cp_a2a_attention_output"}, kv1 + ring_fwd),)
+    fwd = ((names | {"cp_a2a_attention_output"}, kv1 + extra + ring_fwd),)
+    if a2a > 1:
+        # (the q saved, query_rope's bytes, is Megatron's at this step)
+        fwd = ((names | {"cp_kv_buffer", "softmax_stats", "cp_a2a_attention_output"},
+                kv1 + a2a_peak((q, kv1, kv1), True)),) + fwd
     bwd = []
     for i, (rel, w) in enumerate(mixer.bwd_steps):
         if i == core:
@@ -700,3 +750,65 @@ def mxfp8_ring_attention(L: Layout, mixer: MixerActivations) -> MixerActivations
             rel = rel | {"cp_a2a_attention_output"}
         bwd.append((rel, w))
     return MixerActivations(saved=new, fwd_steps=fwd + tuple(rest), bwd_steps=tuple(bwd))
+
+
+def mxfp8_all_gather(L: Layout, mixer: MixerActivations) -> MixerActivations:
+    """MXFP8 attention under ``--cp-comm-type all_gather``: TE 2.20.2's ``AttnFuncWithCPAndKVAllGather`` with
+    ``fp8_recipe.mxfp8()`` (``context_parallel.py``; saved tensors: ``fp8_all_gather_attention``). On ``mixer``, the
+    BF16 ring's (whose saved tensors have the same bytes: q, the local K/V, one statistic, the output).
+
+    Forward working set: K and V gathered over CP in BF16 (``gather_along_first_dim``, then ``index_select`` for the
+    chunk order: ``cp x`` the local K/V, 1.5 times that while the second copy is made), kept to the function's end;
+    at a step (3629-3670) the contiguous half of q and the MXFP8 copies of it and of the K/V slice the step sees (the
+    slice of the sequence-first gathered K/V is contiguous already: no copy; the widest, chunk 2 CP - 1, is the whole
+    gathered K/V), the BF16 partial outputs, ``out_f16`` and, from TE 2.18, the zeroed ``out``; the statistics.
+
+    Backward working set (4035-4300): dO handed in (BF16), BF16 dq and the gathered BF16 dK/dV accumulators, K/V
+    gathered again in BF16; per step the contiguous halves of q, out and dO, their MXFP8 copies and the K/V slice's
+    (``used_in_backward`` only: q and k rowwise and columnwise, v rowwise; dO both ways, ``dO_quantizer``), each
+    step's BF16 dq/dk/dv kept to the end; at the end dK/dV's reorder copy and reduce-scatter."""
+    from .attention import _cp_attention_items, qkv_out_per_rank
+    saved = mixer.saved
+    x = shapes(L)
+    e, Tf, d, cp = x.e, x.Tf, x.d, L.cp
+    core = 2 if _gated(L) == 2 else 1                  # the core attention's backward step
+    Q = Tf * x.a_t * d                                 # q (and the output) elements
+    KV = 2 * Tf * x.g_t * d                            # local k and v elements
+    stats = x.b * x.a_t * x.s * 4
+    q, kv1 = Q * e, Tf * x.g_t * d * e
+    rope = L.position_embedding_type in ("rope", "yarn")
+    _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
+    gathered = e * cp * KV                             # k_ag, v_ag (index_select'ed copies)
+    gather_peak = gathered + gathered // 2             # the gathered v and its reordered copy next to k's
+    half, wide = Tf // 2, cp * Tf                      # a step's q tokens, the widest step's K/V tokens
+    fwd8 = mxfp8_token_tensors(((half, x.a_t, d, True, False), (wide, x.g_t, d, True, False),
+                                (wide, x.g_t, d, False, True)))
+    bwd8 = mxfp8_token_tensors(((half, x.a_t, d, True, True), (wide, x.g_t, d, True, True),
+                                (wide, x.g_t, d, True, False)))
+    do8 = mxfp8_token_tensors(((half, x.a_t, d, True, True),))
+    zeros = e * Q if te_at_least(L.env_dict, L.megatron_version, AG_OUT_ZEROS_SINCE) else 0   # TE >= 2.18: ``out``
+    # forward: a step's q half and MXFP8 copies, both BF16 partial outputs, out_f16 (the returned proj_input, not
+    # yet made); the end: the partial outputs and out_f16 (the statistics are the saved ones)
+    fwd_steps = gathered + e * Q // 2 + fwd8 + 2 * e * Q + zeros
+    fwd_end = gathered + 2 * e * Q + zeros
+    # backward: dO, dq (BF16) and the gathered dK/dV (BF16) held throughout; each step's BF16 dq/dk/dv collected
+    # to the end (dq's halves and the two steps' K/V slices, chunks r and 2 CP - r - 1: (2 CP + 1) / 2 local K/V)
+    held = e * Q + e * Q + gathered
+    collected = e * Q + e * (2 * cp + 1) * KV // 2
+    step = 3 * e * Q // 2 + bwd8 + do8                 # contiguous halves of q, out, dO and the MXFP8 copies
+    ag_bwd = held + max(gather_peak, gathered + collected + step, gathered + collected + gathered // 2)
+    (names, _), *rest = mixer.fwd_steps
+    if "softmax_stats" not in saved:
+        # core_attn recompute: the checkpoint keeps the BF16 q, k, v (saved tensors unchanged); the backward's
+        # replay keeps what the forward saves that is new (v made contiguous, the statistics, the BF16 output)
+        # through the function's backward
+        kept = kv1 + stats + e * Q
+        bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
+        bwd = tuple((rel, w + kept + ag_bwd - bf16 if i == core else w)
+                    for i, (rel, w) in enumerate(mixer.bwd_steps))
+        return mixer._replace(fwd_steps=((names, kv1 + max(gather_peak, fwd_steps, fwd_end)),) + tuple(rest),
+                              bwd_steps=bwd)
+    # (v's contiguous copy is the saved v: cp_kv_buffer's bytes)
+    fwd = ((names, max(gather_peak, fwd_steps, fwd_end)),)
+    bwd = tuple((rel, w + ag_bwd - bf16_ring_bwd if i == core else w) for i, (rel, w) in enumerate(mixer.bwd_steps))
+    return MixerActivations(saved=dict(saved), fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
