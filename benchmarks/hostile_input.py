@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile17, hostile18, hostile19, hostile20)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile17, hostile18, hostile19, hostile20, hostile21)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -45,7 +45,7 @@ JSONL, plan --explain with other options, NeMo / Bridge overrides holding comman
 (issue hostile17); memguard plan on 8 and 64 GPUs with hostile --tp-comm-overlap-cfg and
 --heterogeneous-layers-config-path files, which every candidate layout resolves (issue hostile18); 950 kB lines of braced defaults,
 substitutions and arithmetic, calibrate over many or repeated runs and extreme step times, plan's option lists of
-1,024 values, plan of 10,000-layer hybrid models, interleaved runtime JSONL and YAML merge keys (issue hostile19); calibrate over 40-290 runs, a partial last group at VPP 1,250 and plan --top 50 of 10,000 layers (issue hostile20). Prints, per command, the number of runs, how many broke the
+1,024 values, plan of 10,000-layer hybrid models, interleaved runtime JSONL and YAML merge keys (issue hostile19); calibrate over 40-290 runs, a partial last group at VPP 1,250 and plan --top 50 of 10,000 layers (issue hostile20); plan --explain / --rule values, site profiles' time constants, step times of 0 ms, JSONL iterations out of order, 10**12-value alias bombs, MEMGUARD_TE_VERSION garbage and calibrate --name (issue hostile21). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -2268,10 +2268,10 @@ def hostile21_cases():
     (digits of other scripts, underscores, signs, keys twice in other cases, every key at once); site profiles whose
     time constants are huge, NaN, inf, negative, YAML integers of 400 digits or not numbers, read by plan --rule time,
     estimate and MEMGUARD_PROFILE; calibrate with step times of 0 ms, every run alike, slower with fewer samples; report
-    on runtime JSONL with iterations out of order, repeated 20,000 times, negative, of 400 digits or not integers, and
+    on runtime JSONL with iterations out of order, repeated 2,000 times, negative, of 400 digits or not integers, and
     time running backwards; NeMo / Bridge YAML whose aliases expand to 10**12 values (lists and mappings, at every
     section) and override lists nested 5,000 deep; MEMGUARD_TE_VERSION and the other MEMGUARD_* variables holding
-    garbage (5,000 digits, other scripts' digits, local versions, control characters)."""
+    garbage (5,000 digits, other scripts' digits, local versions, control characters); calibrate --name in any text."""
     from megatron_logs import args_of, print_args, report_memory
     from test_calibrate_time import iteration_line
     plan = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "64"]
@@ -2318,13 +2318,17 @@ def hostile21_cases():
             ("1,000 alike steps", {f"r{i}.log": mlog(8 * (i + 1), [1200.0] * 1_000) for i in range(3)})):
         yield f"calibrate {label}", [*calib, *runs], runs
         yield f"calibrate --fit gemm_efficiency {label}", [*calib, *runs, "--fit", "gemm_efficiency"], runs
+    # calibrate --name: written into the profile (an emoji gave a file memguard could not read; not UTF-8: refused)
+    runs = {f"r{i}.log": mlog(8 * (i + 1), [1200.0 * (i + 1)] * 2) for i in range(4)}
+    for name in ("x\udcff", "team \U0001F600", "a\x85b", "\u2028", "\x00\x7f", "'; constants: {", "x" * 100_000):
+        yield f"calibrate --name {name[:20]!r}", [*calib, *runs, "--name", name, "--out", "s.yaml"], runs
     # -- report on runtime JSONL: iterations out of order, repeated, odd ---------------------------------------------
     start, sample = RUNLOG[0], RUNLOG[1]
 
     def jl(recs: list[dict]) -> dict[str, str]:
         return {"memguard-rank00000.jsonl": "\n".join(json.dumps(r) for r in recs) + "\n"}
-    for label, its_ in (("out of order", [100, 10, 50, 20, 90]), ("repeated 20,000 times", [10] * 20_000),
-                        ("descending 5,000", list(range(5_000, 0, -1))), ("negative", [-10, -20]), ("400 digits", [10**400]),
+    for label, its_ in (("out of order", [100, 10, 50, 20, 90]), ("repeated 2,000 times", [10] * 2_000),
+                        ("descending 2,000", list(range(2_000, 0, -1))), ("negative", [-10, -20]), ("400 digits", [10**400]),
                         ("1e308 as float", [1e308]), ("strings", ["10", "20"]), ("booleans", [True, False]),
                         ("nan", [float("nan")]), ("zero then huge", [0, 2**63, 2**64])):
         recs = [start] + [dict(sample, iteration=i, time=float(k)) for k, i in enumerate(its_)]
