@@ -2270,7 +2270,7 @@ def hostile21_cases():
     estimate and MEMGUARD_PROFILE; calibrate with step times of 0 ms, every run alike, slower with fewer samples; report
     on runtime JSONL with iterations out of order, repeated 2,000 times, negative, of 400 digits or not integers, and
     time running backwards; NeMo / Bridge YAML whose aliases expand to 10**12 values (lists and mappings, at every
-    section) and override lists nested 5,000 deep; MEMGUARD_TE_VERSION and the other MEMGUARD_* variables holding
+    section) or whose anchors hold themselves, and override lists nested 5,000 deep; MEMGUARD_TE_VERSION and the other MEMGUARD_* variables holding
     garbage (5,000 digits, other scripts' digits, local versions, control characters); calibrate --name in any text."""
     from megatron_logs import args_of, print_args, report_memory
     from test_calibrate_time import iteration_line
@@ -2350,6 +2350,12 @@ def hostile21_cases():
                         ("model.num_layers a mapping bomb", map_bomb + nemo.replace("model:\n", "model:\n  tokenizer: *m11\n", 1)),
                         ("exp_manager a list bomb", nemo + "exp_manager: " + alias_bomb(12, 10) + "\n")):
         yield f"validate NeMo {where}", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": text}
+    for where, text in (("a list holding itself", "a: &a [*a]\n" + nemo),
+                        ("model holding itself", nemo.replace("model:\n", "model: &m\n  self: *m\n", 1)),
+                        ("trainer holding itself", nemo.replace("trainer:\n", "trainer: &t\n  loop: *t\n", 1))):
+        yield f"validate NeMo {where}", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": text}
+    yield "estimate Bridge override model holding itself", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--config",
+                                                            "o.yaml"], {"o.yaml": "model: &m\n  loop: *m\n  num_layers: 4\n"}
     for n, t in seeds.items():
         if "bridge" in n or "override" in n:
             yield f"estimate Bridge {n} with a mapping bomb", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--config",
