@@ -12,10 +12,10 @@ squares, with every combination of constants at a bound tried (at most three con
 another's), and each run's loss is capped at ``cap`` so that a run no admissible constant brings within
 ``cap`` (a modelling gap) neither drags nor vetoes the fit.
 
-Pure Python, deterministic. The passes over the rows run in C (``map`` / ``sum`` over columns, :class:`_Cols`),
-rows with the same measurement and coefficients merged with their weights summed: a 1 MB calibrate input (290
-runs of 8 ranks) refits in milliseconds, not a second. Each row's error is computed with the operations
-:meth:`Row.error` uses, in its order; sums over rows may differ from the per-row loops of before in rounding only.
+Pure Python, deterministic. The passes over the rows run in C (``map`` / ``sum`` over columns, :class:`_Cols`) on the
+rows' relative form (error = ``b / y - 1 + sum_j (a_j / y) theta_j``), rows alike merged with their weights summed:
+a guarded fit of 290 runs of 8 ranks (2,320 rows) takes about 70 ms instead of 0.4 s. The results equal the per-row
+path of before (tests/fit_reference.py) to within rounding (tests/test_hostile21.py).
 """
 from __future__ import annotations
 
