@@ -2,7 +2,7 @@
 
     python benchmarks/hostile_input.py            # the whole corpus (a few thousand runs, minutes)
     python benchmarks/hostile_input.py --quick    # every tenth case
-    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile17, hostile18, hostile19, hostile20)
+    python benchmarks/hostile_input.py --group newest   # one group (reproductions, flags, ..., hostile17, hostile18, hostile19, hostile20, hostile21)
     python benchmarks/hostile_input.py --big      # also time 10**6-line logs (130 MB and 390 MB files)
 
 Also: real inputs mutated by structure (tests/mutate_util.py: ten mutants of every config, script, log and
@@ -45,7 +45,7 @@ JSONL, plan --explain with other options, NeMo / Bridge overrides holding comman
 (issue hostile17); memguard plan on 8 and 64 GPUs with hostile --tp-comm-overlap-cfg and
 --heterogeneous-layers-config-path files, which every candidate layout resolves (issue hostile18); 950 kB lines of braced defaults,
 substitutions and arithmetic, calibrate over many or repeated runs and extreme step times, plan's option lists of
-1,024 values, plan of 10,000-layer hybrid models, interleaved runtime JSONL and YAML merge keys (issue hostile19); calibrate over 40-290 runs, a partial last group at VPP 1,250 and plan --top 50 of 10,000 layers (issue hostile20). Prints, per command, the number of runs, how many broke the
+1,024 values, plan of 10,000-layer hybrid models, interleaved runtime JSONL and YAML merge keys (issue hostile19); calibrate over 40-290 runs, a partial last group at VPP 1,250 and plan --top 50 of 10,000 layers (issue hostile20); plan --explain / --rule values, site profiles' time constants, step times of 0 ms, JSONL iterations out of order, 10**12-value alias bombs, MEMGUARD_TE_VERSION garbage and calibrate --name (issue hostile21). Prints, per command, the number of runs, how many broke the
 promise (exit code outside 0/1/2, a traceback, an unreadable error line), and the worst CPU and
 wall time with the input that took it. CPU time is the target's measure (the machines these run on
 are shared); a new interpreter adds its start-up (benchmarks/cold_start.py) on top.
@@ -2262,6 +2262,125 @@ def hostile20_cases():
         yield f"plan --top 50 of 10,000 layers on 64 GPUs {' '.join(more)[:20]}", [
             "plan", "--gpus", "64", "--seq-length", "512", "--global-batch-size", "64", "--top", "50", "--", *small, *more], {}
 
+
+def hostile21_cases():
+    """Issue hostile21: where earlier rounds did not look. memguard plan --explain and --rule with values no round gave
+    (digits of other scripts, underscores, signs, keys twice in other cases, every key at once); site profiles whose
+    time constants are huge, NaN, inf, negative, YAML integers of 400 digits or not numbers, read by plan --rule time,
+    estimate and MEMGUARD_PROFILE; calibrate with step times of 0 ms, every run alike, slower with fewer samples; report
+    on runtime JSONL with iterations out of order, repeated 2,000 times, negative, of 400 digits or not integers, and
+    time running backwards; NeMo / Bridge YAML whose aliases expand to 10**12 values (lists and mappings, at every
+    section) or whose anchors hold themselves, and override lists nested 5,000 deep; MEMGUARD_TE_VERSION and the other MEMGUARD_* variables holding
+    garbage (5,000 digits, other scripts' digits, local versions, control characters); calibrate --name in any text."""
+    from megatron_logs import args_of, print_args, report_memory
+    from test_calibrate_time import iteration_line
+    plan = ["plan", "--gpus", "8", "--seq-length", "512", "--global-batch-size", "64"]
+    # -- memguard plan --explain / --rule ------------------------------------------------------------------------
+    for ex in ("tp=\u0661,pp=1,cp=1,mbs=1", "tp=1_0", "tp=+1,pp=1,cp=1,mbs=1", "TP=1,PP=1,CP=1,MBS=1", "tp=1,TP=2",
+               "tp=1;pp=1", "tp:1", "tp==1", "tp=1\npp=1", "tp=1.0,pp=1,cp=1,mbs=1", "tp=1e0", "tp=0b1", "tp=\u00b9",
+               "tp=1,pp=1,cp=1,mbs=1,vpp=1,ep=1,etp=1,recompute=none,fsdp=0,x=1", " tp = 1 , pp = 1 ", "tp=" + "9" * 5_000,
+               "tp=1,pp=1,cp=1,mbs=1,recompute=" + "full" * 20_000, "," * 100_000, "tp=1=2", "\x00", "tp=1,pp=1,vpp=" + "2" * 400):
+        yield f"plan --explain {ex[:40]!r}", [*plan, "--explain", ex, "--", *S], {}
+    for rule in ("TIME", "time ", "time,memory", "Memory", "\u2013", "time\n", "fujii2024 ", "x" * 100_000, "memory" * 1_000):
+        yield f"plan --rule {rule[:30]!r}", [*plan, "--rule", rule, "--", *S], {}
+        yield f"plan --rule {rule[:30]!r} --explain", [*plan, "--rule", rule, "--explain", "tp=1,pp=1,cp=1,mbs=1", "--", *S], {}
+    # -- site profiles with hostile time constants ----------------------------------------------------------------
+    head = "schema: memguard.site/2\nmemguard_version: 0.1.0.dev0\ngpu: H100-80GB\ntime:\n"
+    for k in ("gemm_efficiency", "attention_efficiency", "network_gbps"):
+        for v in (".nan", ".inf", "-.inf", "-1", "0", "1e400", "-1e400", "9" * 400, "-" + "9" * 400, "1e-400", "0x10",
+                  "'0.5'", "[0.5]", "{a: 1}", "true", "~", "!!binary aGVsbG8=", "2026-01-01", "1_000", "0.5 # c", "&a 0.5"):
+            text = head + f"  {k}: {v}\n"
+            yield f"plan --rule time profile {k}: {v[:20]}", [*plan, "--rule", "time", "--site-profile", "p.yaml", "--", *S], \
+                {"p.yaml": text}
+            yield f"estimate profile {k}: {v[:20]}", ["estimate", "--world-size", "8", "--site-profile", "p.yaml", "--", *S], \
+                {"p.yaml": text}
+            yield f"plan MEMGUARD_PROFILE {k}: {v[:20]}", [*plan, "--", *S], {"p.yaml": text}, {"MEMGUARD_PROFILE": "p.yaml"}
+    # -- calibrate: step times of 0 ms, every run alike, slower with more samples --------------------------------------
+    s_ = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+          "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 1000 --bf16 --train-iters 100").split()
+
+    def mlog(gbs: int, ms: list[float], tflops: float | None = 150.0) -> str:
+        mem = [report_memory(r, "(after 10 iterations)", 2**30, 2**31, 2**31 + 2**29, 2**31 + 2**30, device_used=2**32)
+               for r in range(8)]
+        its = [iteration_line(1, 100, 9000.0, 10.0)] + [iteration_line(10 * (k + 1), 100, m, tflops) for k, m in enumerate(ms)]
+        return "\n".join(print_args(args_of([*s_, "--global-batch-size", str(gbs)], 8))) + "\n" + "\n".join(its) + "\n" + \
+            "\n".join(mem) + "\n"
+    calib = ["calibrate", "--gpu", "H100-80GB"]
+    for label, runs in (
+            ("0 ms steps", {f"r{i}.log": mlog(8 * (i + 1), [0.0, 0.0]) for i in range(4)}),
+            ("0 ms and 1200 ms steps", {f"r{i}.log": mlog(8 * (i + 1), [0.0, 1200.0]) for i in range(4)}),
+            ("every run alike (gbs and times)", {f"r{i}.log": mlog(16, [1200.0, 1200.0]) for i in range(6)}),
+            ("the same time at every batch", {f"r{i}.log": mlog(8 * (i + 1), [1200.0, 1200.0]) for i in range(6)}),
+            ("slower with fewer samples", {f"r{i}.log": mlog(8 * (i + 1), [12000.0 / (i + 1)] * 2) for i in range(6)}),
+            ("no throughput column", {f"r{i}.log": mlog(8 * (i + 1), [1200.0 * (i + 1)] * 2, None) for i in range(4)}),
+            ("steps of 1e-320 ms", {f"r{i}.log": mlog(8 * (i + 1), [1e-320 * (i + 1)] * 2) for i in range(4)}),
+            ("one step of inf among finite", {f"r{i}.log": mlog(8 * (i + 1), [1200.0 * (i + 1), float("inf")]) for i in range(4)}),
+            ("1,000 alike steps", {f"r{i}.log": mlog(8 * (i + 1), [1200.0] * 1_000) for i in range(3)})):
+        yield f"calibrate {label}", [*calib, *runs], runs
+        yield f"calibrate --fit gemm_efficiency {label}", [*calib, *runs, "--fit", "gemm_efficiency"], runs
+    # calibrate --name: written into the profile (an emoji gave a file memguard could not read; not UTF-8: refused)
+    runs = {f"r{i}.log": mlog(8 * (i + 1), [1200.0 * (i + 1)] * 2) for i in range(4)}
+    for name in ("x\udcff", "team \U0001F600", "a\x85b", "\u2028", "\x00\x7f", "'; constants: {", "x" * 100_000):
+        yield f"calibrate --name {name[:20]!r}", [*calib, *runs, "--name", name, "--out", "s.yaml"], runs
+    # -- report on runtime JSONL: iterations out of order, repeated, odd ---------------------------------------------
+    start, sample = RUNLOG[0], RUNLOG[1]
+
+    def jl(recs: list[dict]) -> dict[str, str]:
+        return {"memguard-rank00000.jsonl": "\n".join(json.dumps(r) for r in recs) + "\n"}
+    for label, its_ in (("out of order", [100, 10, 50, 20, 90]), ("repeated 2,000 times", [10] * 2_000),
+                        ("descending 2,000", list(range(2_000, 0, -1))), ("negative", [-10, -20]), ("400 digits", [10**400]),
+                        ("1e308 as float", [1e308]), ("strings", ["10", "20"]), ("booleans", [True, False]),
+                        ("nan", [float("nan")]), ("zero then huge", [0, 2**63, 2**64])):
+        recs = [start] + [dict(sample, iteration=i, time=float(k)) for k, i in enumerate(its_)]
+        yield f"report JSONL iterations {label}", ["report", "."], jl(recs)
+    yield "report JSONL time running backwards", ["report", "."], jl(
+        [start] + [dict(sample, iteration=10 * k, time=1e9 - k * 1e6) for k in range(1, 200)])
+    yield "report JSONL two starts and summaries first", ["report", "."], jl(
+        [RUNLOG[5], RUNLOG[5], start, sample, start, sample, RUNLOG[4], RUNLOG[4]])
+    yield "report JSONL 5,000 warnings of one iteration", ["report", "."], jl([start] + [RUNLOG[2]] * 5_000)
+    # -- NeMo / Bridge YAML: 10**12 values behind aliases, override lists nested 5,000 deep ---------------------------
+    seeds = dict((n, t) for n, t, _ in YAML_SEEDS)
+    nemo = seeds["nemo1_llama.yaml"]
+    map_bomb = "".join(f"m{i}: &m{i} {{" + ", ".join(f"k{j}: *m{i - 1}" if i else f"k{j}: x" for j in range(10)) + "}\n"
+                       for i in range(12))
+    for where, text in (("a list bomb at the top", "bomb: " + alias_bomb(12, 10) + "\n" + nemo),
+                        ("a mapping bomb at the top", map_bomb + nemo),
+                        ("a mapping bomb merged into model", map_bomb + nemo.replace("model:\n", "model:\n  <<: *m11\n", 1)),
+                        ("a mapping bomb as trainer", map_bomb + nemo.replace("trainer:\n", "trainer_old:\n", 1) + "trainer: *m11\n"),
+                        ("model.num_layers a mapping bomb", map_bomb + nemo.replace("model:\n", "model:\n  tokenizer: *m11\n", 1)),
+                        ("exp_manager a list bomb", nemo + "exp_manager: " + alias_bomb(12, 10) + "\n")):
+        yield f"validate NeMo {where}", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": text}
+    for where, text in (("a list holding itself", "a: &a [*a]\n" + nemo),
+                        ("model holding itself", nemo.replace("model:\n", "model: &m\n  self: *m\n", 1)),
+                        ("trainer holding itself", nemo.replace("trainer:\n", "trainer: &t\n  loop: *t\n", 1))):
+        yield f"validate NeMo {where}", ["validate", "c.yaml", "--gpus", "8"], {"c.yaml": text}
+    yield "estimate Bridge override model holding itself", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--config",
+                                                            "o.yaml"], {"o.yaml": "model: &m\n  loop: *m\n  num_layers: 4\n"}
+    for n, t in seeds.items():
+        if "bridge" in n or "override" in n:
+            yield f"estimate Bridge {n} with a mapping bomb", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--config",
+                                                             "o.yaml"], {"o.yaml": map_bomb + t}
+    deep = "[" * 5_000 + "1" + "]" * 5_000
+    yield "estimate Bridge override nested 5,000 deep", ["estimate", "--model", "llama32_1b", "--gpus", "8", "--config", "o.yaml"], {
+        "o.yaml": f"model:\n  num_layers: {deep}\n"}
+    yield "estimate Bridge override list of 5,000 nested mappings", ["estimate", "--model", "llama32_1b", "--gpus", "8",
+                                                                      "--config", "o.yaml"], {
+        "o.yaml": "model:\n  x: " + "{a: " * 5_000 + "1" + "}" * 5_000 + "\n"}
+    yield "validate NeMo override list nested 5,000 deep", ["validate", "c.yaml", "--gpus", "8"], {
+        "c.yaml": nemo + f"overrides: {deep}\n"}
+    # -- MEMGUARD_* variables holding garbage --------------------------------------------------------------------
+    for v in ("9" * 5_000, "\u0662.14.1", "2.14.1+local.\x01", "2.14", "2", "2." * 20_000, "v2.14.1", " 2.14.1 ", "1e400",
+              "nan", "2.14.1rc0.post1.dev3", "0!2.14", "2.14.1" + "\u0301", "99999999999999999999.0", "-2.14"):
+        for cmd in (["estimate", "--world-size", "8", "--", *S, "--fp8-format", "hybrid"], [*plan, "--", *S]):
+            yield f"{cmd[0]} MEMGUARD_TE_VERSION={v[:20]!r}", cmd, {}, {"MEMGUARD_TE_VERSION": v}
+        yield f"check launch exporting MEMGUARD_TE_VERSION={v[:20]!r}", ["check", "--file", "run.sh"], {
+            "run.sh": LAUNCH.replace("export CUDA_DEVICE_MAX_CONNECTIONS=1", f"export CUDA_DEVICE_MAX_CONNECTIONS=1\nexport "
+                                     f"MEMGUARD_TE_VERSION='{v}'")}
+    for var in ("MEMGUARD_THRESHOLD", "MEMGUARD_GPU_MEMORY", "MEMGUARD_LOG_INTERVAL", "MEMGUARD_PROFILE", "MEMGUARD"):
+        for v in ("9" * 5_000, "\u0662", "\x1b[31m", "1" * 400 + "GiB", "-0", "0x" + "f" * 1000):
+            yield f"estimate {var}={v[:20]!r}", ["estimate", "--world-size", "8", "--", *S], {}, {var: v}
+
+
 def main(argv: list[str]) -> int:
     import tempfile
 
@@ -2282,7 +2401,8 @@ def main(argv: list[str]) -> int:
               ("hostile12", hostile12_cases(tmp.name)), ("hostile13", hostile13_cases(tmp.name)),
               ("hostile14", hostile14_cases()), ("hostile15", hostile15_cases()), ("hostile16", hostile16_cases()),
               ("hostile17", hostile17_cases(tmp.name)),
-              ("hostile18", hostile18_cases()), ("hostile19", hostile19_cases()), ("hostile20", hostile20_cases())]
+              ("hostile18", hostile18_cases()), ("hostile19", hostile19_cases()), ("hostile20", hostile20_cases()),
+              ("hostile21", hostile21_cases())]
     if "--group" in argv:   # one group only (its name as printed below, e.g. --group newest)
         only = argv[argv.index("--group") + 1]
         groups = [g for g in groups if g[0] == only]

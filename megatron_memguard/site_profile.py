@@ -221,6 +221,26 @@ def site_from(path: str | None, environ: Mapping[str, str] | None = None,
     return None
 
 
+# characters YAML does not allow in a file (PyYAML's reader: C0 / C1 controls, DEL, surrogates, U+FFFE / U+FFFF) or
+# reads as a line break inside quotes (NEL, U+2028, U+2029: a break folds to a space)
+_YAML_UNPRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def name_problem(name: str) -> str | None:
+    """The rule a site's name breaks, or None: it must be text (a name from bytes that are not UTF-8 holds
+    surrogates, which no YAML file can hold: the profile written would not load)."""
+    if any("\ud800" <= ch <= "\udfff" for ch in name):
+        return f"holds bytes that are not UTF-8 text ({shown(name)}); give the name in UTF-8"
+    return None
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar that reads back as ``text``: JSON's escapes (YAML has them all), other
+    characters as they are, the few YAML refuses in a file as \\u escapes. (``json.dumps`` alone writes a character
+    beyond U+FFFF as a surrogate pair, which YAML refuses: a name with an emoji gave a profile memguard could not read.)"""
+    return _YAML_UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(text, ensure_ascii=False))
+
+
 def dump_site_profile(constants: Mapping[str, Any], *, name: str = "", gpu: str | None = None,
                       fit: Mapping[str, Any] | None = None, time: Mapping[str, float] | None = None) -> str:
     """The YAML text of a profile holding ``constants`` (only those given), with a comment per constant, and the
@@ -237,7 +257,7 @@ def dump_site_profile(constants: Mapping[str, Any], *, name: str = "", gpu: str 
              "# Constants not listed keep memguard's defaults.",
              f"schema: {SCHEMA_TIME if time else SCHEMA}", f"memguard_version: {_version()}"]
     if name:
-        lines.append(f"name: {json.dumps(name)}")
+        lines.append(f"name: {_quoted(name)}")
     if gpu:
         lines.append(f"gpu: {gpu}")
     lines.append(f"created: '{datetime.date.today().isoformat()}'")
@@ -264,4 +284,5 @@ def dump_site_profile(constants: Mapping[str, Any], *, name: str = "", gpu: str 
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SCHEMA", "SCHEMA_TIME", "ENV", "SiteProfile", "parse_site_profile", "load_site_profile", "site_from", "dump_site_profile"]
+__all__ = ["SCHEMA", "SCHEMA_TIME", "ENV", "SiteProfile", "parse_site_profile", "load_site_profile", "site_from", "dump_site_profile",
+           "name_problem"]

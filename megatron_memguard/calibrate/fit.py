@@ -12,14 +12,19 @@ squares, with every combination of constants at a bound tried (at most three con
 another's), and each run's loss is capped at ``cap`` so that a run no admissible constant brings within
 ``cap`` (a modelling gap) neither drags nor vetoes the fit.
 
-Pure Python, deterministic.
+Pure Python, deterministic. The passes over the rows run in C (``map`` / ``sum`` over columns, :class:`_Cols`) on the
+rows' relative form (error = ``b / y - 1 + sum_j (a_j / y) theta_j``), rows alike merged with their weights summed:
+a guarded fit of 290 runs of 8 ranks (2,320 rows) takes about 70 ms instead of 0.4 s. The results equal the per-row
+path of before (tests/fit_reference.py) to within rounding (tests/test_hostile21.py).
 """
 from __future__ import annotations
 
 import itertools
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import compress, repeat
+from operator import add, le, mul, sub, truediv
+from typing import Iterable, Iterator, Sequence
 
 IRLS_STEPS = 60
 EPS = 1e-5          # relative residual below which an observation's weight stops growing
@@ -42,9 +47,58 @@ class Row:
         return self.predict(theta) / self.y - 1
 
 
+@dataclass(frozen=True)
+class _Cols:
+    """Rows in relative form, as columns: a row's error at ``theta`` is ``r0 + sum_j q_j theta_j`` (``r0 = b / y - 1``,
+    ``q_j = a_j / y``); rows of the same form merged, their weights summed (a merged row's error, IRLS weight and loss
+    are its copies' together). A pass over them runs in C (``map`` / ``sum``), once per distinct row."""
+
+    r0: tuple[float, ...]
+    q: tuple[tuple[float, ...], ...]      # per constant: its relative coefficient in each merged row
+    w: tuple[float, ...]
+    where: tuple[int, ...]                # per row given: the merged row that holds it
+
+
+def _columns(rows: Sequence[Row], weights: Iterable[float]) -> _Cols:
+    ys = [r.y for r in rows]
+    k = len(rows[0].a) if rows else 0
+    r0 = map(sub, map(truediv, [r.b for r in rows], ys), repeat(1))
+    qs = [map(truediv, [r.a[j] for r in rows], ys) for j in range(k)]
+    index: dict[tuple, int] = {}
+    keys: list[tuple] = []
+    ws: list[float] = []
+    where = []
+    for key, c in zip(zip(r0, *qs), weights):
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(keys)
+            keys.append(key)
+            ws.append(c)
+        else:
+            ws[i] += c
+        where.append(i)
+    cols = tuple(zip(*keys)) if keys else ((),) * (k + 1)
+    return _Cols(cols[0], cols[1:], tuple(ws), tuple(where))
+
+
+def _subset(c: _Cols, idx: Sequence[int]) -> _Cols:
+    return _Cols(tuple(c.r0[i] for i in idx), tuple(tuple(qj[i] for i in idx) for qj in c.q),
+                 tuple(c.w[i] for i in idx), tuple(range(len(idx))))
+
+
+def _errors(c: _Cols, theta: Sequence[float]) -> Iterator[float]:
+    """Each merged row's relative error at ``theta`` (:meth:`Row.error`), lazily."""
+    e: Iterable[float] = c.r0
+    for qj, t in zip(c.q, theta):
+        e = map(add, e, map(mul, qj, repeat(t)))
+    return iter(e)
+
+
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; None when singular."""
     n = len(v)
+    if n == 1:      # (the same test and division as below, without building the tableau: one constant per IRLS step)
+        return None if abs(m[0][0]) < 1e-12 * max(1.0, abs(m[0][0])) else [v[0] / m[0][0]]
     a = [row[:] + [v[i]] for i, row in enumerate(m)]
     for c in range(n):
         p = max(range(c, n), key=lambda r: abs(a[r][c]))
@@ -58,9 +112,12 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
-def _wls(rows: Sequence[Row], w: Sequence[float], lower: Sequence[float], upper: Sequence[float],
-         scale: Sequence[float]) -> list[float] | None:
-    """Weighted least squares of relative residuals within bounds (every clamp pattern tried)."""
+def _wls(c: _Cols, mm: list[list[float]], g: list[float], d: Sequence[float] | None, lower: Sequence[float],
+         upper: Sequence[float], scale: Sequence[float]) -> list[float] | None:
+    """Weighted least squares of relative residuals within bounds (every clamp pattern tried). ``mm``, ``g``: the
+    normal equations in scaled units (``x_j = q_j * scale_j``): ``sum w x_p x_q``, ``sum w x_p r0``; with constant ``j``
+    held at ``t_j`` its column moves to the right-hand side as ``mm[p][j] * t_j / scale_j``. The rows' weights are
+    ``c.w / d`` (``d`` None: ``c.w``), needed here only for the objective of a clamped pattern."""
     k = len(lower)
     best, best_obj = None, float("inf")
     for pattern in itertools.product((None, "lo", "hi"), repeat=k):
@@ -68,15 +125,8 @@ def _wls(rows: Sequence[Row], w: Sequence[float], lower: Sequence[float], upper:
         free = [j for j in range(k) if j not in fixed]
         theta = [fixed.get(j, 0.0) for j in range(k)]
         if free:
-            m = [[0.0] * len(free) for _ in free]
-            v = [0.0] * len(free)
-            for r, wi in zip(rows, w):
-                rest = r.b + sum(r.a[j] * theta[j] for j in fixed) - r.y
-                x = [r.a[j] * scale[j] / r.y for j in free]
-                for p, xp in enumerate(x):
-                    v[p] -= wi * xp * rest / r.y
-                    for q, xq in enumerate(x):
-                        m[p][q] += wi * xp * xq
+            m = [[mm[p][q] for q in free] for p in free]
+            v = [-(g[p] + sum(mm[p][j] * t / scale[j] for j, t in fixed.items())) for p in free]
             sol = _solve(m, v)
             if sol is None:
                 continue
@@ -86,7 +136,8 @@ def _wls(rows: Sequence[Row], w: Sequence[float], lower: Sequence[float], upper:
                 continue
             if not fixed:
                 return theta      # the unclamped minimum lies within the bounds: it is the bounded one (convex)
-        obj = sum(wi * r.error(theta) ** 2 for r, wi in zip(rows, w))
+        w = c.w if d is None else map(truediv, c.w, d)
+        obj = sum(map(mul, w, map(pow, _errors(c, theta), repeat(2))))
         if obj < best_obj:
             best, best_obj = theta, obj
     return best
@@ -100,18 +151,38 @@ def fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[float], sta
     scale = list(scale or [max(abs(u), abs(lo), 1e-12) for lo, u in zip(lower, upper)])
     if not rows or not k:
         return list(start)
+    return _fit(_columns(rows, run_weights(rows)), lower, upper, start, scale)
+
+
+def _fit(c: _Cols, lower: Sequence[float], upper: Sequence[float], start: Sequence[float],
+         scale: Sequence[float]) -> list[float]:
+    """:func:`fit` on merged rows (``c.w``: each one's run weight): iteratively reweighted least squares, the weight
+    ``c.w / max(|error|, EPS)``. The products of the normal equations that do not change (``c.w x_p x_q``,
+    ``c.w x_p r0``) are formed once: a step is one pass for the errors and one per sum."""
+    k = len(lower)
+    x = [list(map(mul, qj, repeat(s))) for qj, s in zip(c.q, scale)]
+    cx = [list(map(mul, c.w, xj)) for xj in x]
+    cxx = [[list(map(mul, cx[p], x[q])) for q in range(k)] for p in range(k)]
+    cxr = [list(map(mul, cxp, c.r0)) for cxp in cx]
     theta = list(start)
-    rw = run_weights(rows)
-    w = list(rw)
+    d: list[float] | None = None            # max(|error|, EPS) per row (None: the first step, weights c.w)
     for _ in range(IRLS_STEPS):
-        sol = _wls(rows, w, lower, upper, scale)
+        if d is None:
+            mm = [[sum(cxx[p][q]) for q in range(k)] for p in range(k)]
+            g = [sum(v) for v in cxr]
+        else:
+            mm = [[sum(map(truediv, cxx[p][q], d)) for q in range(k)] for p in range(k)]
+            g = [sum(map(truediv, v, d)) for v in cxr]
+        sol = _wls(c, mm, g, d, lower, upper, scale)
         if sol is None:
             return list(start)
         if all(abs(a - b) <= 1e-9 * s for a, b, s in zip(sol, theta, scale)):
             theta = sol
             break
         theta = sol
-        w = [c / max(abs(r.error(theta)), EPS) for r, c in zip(rows, rw)]
+        d = list(map(abs, _errors(c, theta)))
+        if not min(d) >= EPS:
+            d = [EPS if v < EPS else v for v in d]     # max(v, EPS), NaN kept
     return theta
 
 
@@ -125,10 +196,9 @@ def identifiable(rows: Sequence[Row], j: int, others: Sequence[int]) -> bool:
     """Whether constant ``j`` is separable from the constants ``others`` in ``rows``: its coefficients are
     not a fixed multiple of theirs (e.g. NCCL buffers when every run has the same communicators, next to
     the CUDA context which every run has once)."""
-    cols = [j, *others]
-    xs = [[r.a[c] for c in cols] for r in rows]
-    m = [[sum(x[p] * x[q] for x in xs) for q in range(len(cols))] for p in range(len(cols))]
-    return _solve(m, [1.0] * len(cols)) is not None
+    xs = [[r.a[c] for r in rows] for c in (j, *others)]
+    m = [[sum(map(mul, p, q)) for q in xs] for p in xs]
+    return _solve(m, [1.0] * len(xs)) is not None
 
 
 def run_weights(rows: Sequence[Row]) -> list[float]:
@@ -155,15 +225,22 @@ class Guarded:
     guarded: tuple[int, ...]          # indices of the rows the guard protects (within ``cap`` at the start)
 
 
+def _guard(c: _Cols, start: Sequence[float], tol: float, cap: float) -> tuple[_Cols, list[float]]:
+    """The rows predicted within ``cap`` at ``start``, and how far each may go: its error there + ``tol`` (+ 1e-12)."""
+    e0 = [abs(e) for e in _errors(c, start)]
+    idx = [i for i, e in enumerate(e0) if e <= cap]
+    return _subset(c, idx), [e0[i] + tol + 1e-12 for i in idx]
+
+
 def within_guard(rows: Sequence[Row], start: Sequence[float], target: Sequence[float], tol: float,
                  cap: float) -> list[float]:
     """The point nearest ``target`` on the segment from ``start`` that keeps every row predicted within ``cap`` at
     ``start`` no more than ``tol`` worse (bisection: the set of such points is convex and holds ``start``)."""
-    room = [(r, abs(r.error(start)) + tol) for r in rows if abs(r.error(start)) <= cap]
+    gc, room = _guard(_columns(rows, repeat(0.0)), start, tol, cap)
 
     def ok(t: float) -> bool:
         p = [s + t * (x - s) for s, x in zip(start, target)]
-        return all(abs(r.error(p)) <= e + 1e-12 for r, e in room)
+        return all(map(le, map(abs, _errors(gc, p)), room))
     if ok(1.0):
         return list(target)
     lo, hi = 0.0, 1.0
@@ -188,26 +265,26 @@ def guarded_fit(rows: Sequence[Row], lower: Sequence[float], upper: Sequence[flo
     start = [float(x) for x in start]
     if not rows or not k:
         return Guarded(tuple(start), tuple(start), ())
-    e0 = [abs(r.error(start)) for r in rows]
-    guarded = tuple(i for i, e in enumerate(e0) if e <= cap)
-    room = {i: e0[i] + tol for i in guarded}
+    cols = _columns(rows, run_weights(rows))
+    e0 = [abs(e) for e in _errors(cols, start)]
+    guarded = tuple(i for i, m in enumerate(cols.where) if e0[m] <= cap)
+    gc, room = _guard(cols, start, tol, cap)
 
     def inside(theta: Sequence[float]) -> bool:
         if any(not lower[j] - 1e-9 * scale[j] <= theta[j] <= upper[j] + 1e-9 * scale[j] for j in range(k)):
             return False
-        return all(abs(rows[i].error(theta)) <= room[i] + 1e-12 for i in guarded)
+        return all(map(le, map(abs, _errors(gc, theta)), room))
 
-    rw = run_weights(rows)
+    def loss(theta: Sequence[float]) -> float:      # capped_loss, over the merged rows
+        return sum(map(mul, cols.w, map(min, map(abs, _errors(cols, theta)), repeat(cap))))
 
-    def loss(theta: Sequence[float]) -> float:
-        return capped_loss(rows, theta, cap, rw)
-
-    cands = [fit(rows, lower, upper, start, scale)]
+    cands = [_fit(cols, lower, upper, start, scale)]
     if guarded and len(guarded) < len(rows):
         cands.append(fit([rows[i] for i in guarded], lower, upper, start, scale))
     for c in list(cands):
         for _ in range(5):                        # trimming: refit on the rows the candidate explains
-            inl = [r for r in rows if abs(r.error(c)) <= cap]
+            near = [abs(e) <= cap for e in _errors(cols, c)]
+            inl = list(compress(rows, (near[m] for m in cols.where)))
             if not inl:
                 break
             nxt = fit(inl, lower, upper, c, scale)

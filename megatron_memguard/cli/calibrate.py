@@ -203,12 +203,14 @@ def run(own_args: Sequence[str], flags: list[str]) -> int:
     from ..calibrate import calibrate
     from ..calibrate.runs import read_runs
     from ..gpus import lookup_gpu
-    from ..site_profile import dump_site_profile
+    from ..site_profile import dump_site_profile, name_problem
     from .report import job_env
 
     if ns.min_runs < 2:
         raise ConfigError("--min-runs", f"must be at least 2 (a leave-one-out check needs two runs), got {ns.min_runs}")
     fit_only = [x.strip() for x in ns.fit.split(",") if x.strip()] if ns.fit else None
+    if ns.name and name_problem(ns.name):
+        raise ConfigError("--name", name_problem(ns.name))
     file_name(ns.out, "--out")
     if ns.out:
         parent = os.path.dirname(os.path.abspath(ns.out))

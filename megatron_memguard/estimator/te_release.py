@@ -56,7 +56,7 @@ def _version(text: str) -> Version | None:
     from packaging.version import InvalidVersion, Version
     try:
         return Version(str(text).strip())
-    except InvalidVersion:
+    except (InvalidVersion, ValueError):    # (a part of over 4,300 digits: int() refuses it with a ValueError)
         return None
 
 

@@ -60,8 +60,8 @@ def _flags(r: RankRun, tol: float) -> str:
 
 # ---- rows ----------------------------------------------------------------------------------------------
 def _samples(r: RankRun) -> str:
-    its = r.iterations
-    return f"{len(its)} ({its[0]}-{its[-1]})" if its else "0"
+    its = r.iterations      # (in the file's order: a log whose iterations go back shows its range, not 100-90)
+    return f"{len(its)} ({min(its)}-{max(its)})" if its else "0"
 
 
 def rank_header(metrics: Sequence[str]) -> list[str]:
