@@ -677,6 +677,17 @@ def _gemma_modules(b: ArgsBuilder, model: Mapping[str, Field]) -> frozenset[str]
         b.set("rotary_tables", 4, key)
     if cls_what is not None and cls_what is not GEMMA2_WHAT:
         raise NotModelledError(spec_key if spec_what else key, spec_what or cls_what)
+    gemma2 = cls_what is GEMMA2_WHAT
+    gemma2_spec = spec_what is GEMMA2_WHAT
+    if gemma2_spec and not gemma2:
+        # Gemma2DotProductAttention.__init__ reads config.query_pre_attn_scalar, a field of Gemma2ModelProvider only
+        b.problem(spec_key, "gemma2_layer_spec needs Gemma2ModelProvider: its Gemma2DotProductAttention reads "
+                  "config.query_pre_attn_scalar, which this provider does not have (AttributeError at model build; "
+                  "Megatron-Bridge 0.6.2 gemma2_provider.py)", "model._target_: "
+                  "megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider")
+        spec_what = None
+    if gemma2:
+        return _gemma2_modules(b, model, key, spec_key, gemma2_spec or spec is None, spec_what)
     if not _model_checked(model):
         refuse_softcapping(model)
     if spec_what is not None:
@@ -684,6 +695,33 @@ def _gemma_modules(b: ArgsBuilder, model: Mapping[str, Field]) -> frozenset[str]
     if cls_what is not None:
         raise NotModelledError(key, cls_what)
     return GEMMA3_FIELDS if gemma3 else frozenset()
+
+
+# Gemma2ModelProvider's own fields (Megatron-Bridge 0.6.2 gemma2_provider.py): the attention softcap (FlexAttention's
+# score_mod: no tensor of its own) and the query scale change no memory; the final softcap is read
+GEMMA2_FIELDS = frozenset({"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"})
+
+
+def _gemma2_modules(b: ArgsBuilder, model: Mapping[str, Field], key: str, spec_key: str, gemma2_spec: bool,
+                    spec_what: str | None) -> frozenset[str]:
+    """A Gemma2ModelProvider: its provide() turns the output layer into Gemma2OutputLayer (``final_logit_softcapping``,
+    default 30.0; null / 0 softcaps nothing: ``if not scale``), and its default gemma2_layer_spec (or that spec named)
+    brings Gemma2FlexDotProductAttention (``gemma2_attention``) and TERowParallelLinearLayerNorm (``post_proj_norms``).
+    Another spec under it (a GPT one) keeps its own layers; a Gemma 4 spec is refused."""
+    from ..errors import NotModelledError
+
+    if spec_what is not None and not gemma2_spec:
+        raise NotModelledError(spec_key, spec_what)
+    if gemma2_spec:
+        b.set("post_proj_norms", True, spec_key or key)
+        b.set("gemma2_attention", True, spec_key or key)
+    cap, cap_key = model.get("final_logit_softcapping", (30.0, key + " (Gemma2ModelProvider: 30.0)"))
+    if cap is None or is_missing(cap):
+        cap = 0.0
+    b.set("final_logit_softcapping", cap, cap_key)
+    for name in ("attention_dropout", "hidden_dropout"):   # Gemma2ModelProvider's 0.0 (the file's value wins)
+        b.default(name, 0.0, f"{key} (Gemma2ModelProvider: 0.0)")
+    return GEMMA2_FIELDS
 
 
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool,  # noqa: C901
