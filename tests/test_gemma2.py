@@ -95,12 +95,15 @@ def test_flex_block_masks_by_hand_and_measured():
     assert flex_block_masks(_layout("2b", seq=8192), 1)[0] == 4 * 4 * (64 + 64 * 64)
     torch = pytest.importorskip("torch")
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
-    for window in (None, 4095):       # the global and the sliding-window layers' masks (gemma2_provider.py _mask)
+    # (s 1000: ceil(1000 / 128) = 8 blocks, 4 x 4 x (8 + 64) = 1,152 B)
+    assert flex_block_masks(_layout("2b", seq=1000), 1)[0] == 1_152
+    for seq, window, by_hand in ((4096, None, 16_896), (4096, 4095, 16_896), (1000, 511, 1_152)):
+        # the global and the sliding-window layers' masks (gemma2_provider.py _build_flex_block_mask)
         def mask(b, h, q, k, _w=window):
             return q >= k if _w is None else (q >= k) & (q - k <= _w)
-        bm = fa.create_block_mask(mask, B=None, H=None, Q_LEN=4096, KV_LEN=4096, device="cpu")
+        bm = fa.create_block_mask(mask, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device="cpu")
         tensors = [t for t in vars(bm).values() if isinstance(t, torch.Tensor)]
-        assert sum(t.numel() * t.element_size() for t in tensors) == 16_896
+        assert sum(t.numel() * t.element_size() for t in tensors) == by_hand
 
 
 def test_final_softcap_keeps_the_tanh_measured():
