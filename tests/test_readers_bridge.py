@@ -487,6 +487,18 @@ def test_gemma2_attention_refusals_name_the_key(tmp_path, extra, overrides, key,
                 world_size=16)
 
 
+@pytest.mark.parametrize("packing", ["enable_offline_packing", "enable_in_batch_packing"])
+def test_gemma2_with_packed_sequences_is_a_problem(tmp_path, packing):
+    # ConfigContainer.validate (Bridge 0.6.2 training/config.py): either packing makes the batch THD, and the
+    # Gemma 2 attention raises on packed_seq_params (gemma2_provider.py)
+    text = GEMMA2.replace("dataset: {seq_length: 1024}", f"dataset: {{seq_length: 1024, {packing}: true}}", 1)
+    assert [p.key for p in read(tmp_path, text).problems] == [f"dataset.{packing}"]
+    assert read(tmp_path, text.replace(": true}", ": false}", 1)).problems == ()
+    # a GPT (TE attention) takes them
+    assert read(tmp_path, FLAT.replace("dataset: {seq_length: 1024}", f"dataset: {{seq_length: 1024, {packing}: true}}",
+                                       1)).problems == ()
+
+
 def test_gemma2_layer_spec_needs_its_provider(tmp_path):
     # under GPTModelProvider Gemma2DotProductAttention's config.query_pre_attn_scalar does not exist
     raw = read(tmp_path, FLAT.replace("  bf16: true\n", "  bf16: true\n" + _GEMMA2_SPEC, 1))

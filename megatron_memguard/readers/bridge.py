@@ -764,6 +764,15 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     model = S.get("model", {})
     _hybrid_stack_spec(model.get("hybrid_stack_spec"))
     gemma_fields = _gemma_modules(b, model)
+    if b.args.get("gemma2_attention"):
+        for name in ("enable_offline_packing", "enable_in_batch_packing"):
+            if has("dataset", name) and bridge_truth(b, v("dataset", name), k("dataset", name)):
+                # ConfigContainer.validate: either makes the batch THD (uses_thd), so the step hands packed_seq_params
+                # to the core attention, which Gemma2DotProductAttention / its Flex subclass raise on
+                b.problem(k("dataset", name), "packs sequences, which Gemma 2's attention refuses: "
+                          "Gemma2FlexDotProductAttention raises 'Packed sequence is not supported by "
+                          "DotProductAttention' (Megatron-Bridge 0.6.2 gemma2_provider.py)",
+                          f"{k('dataset', name)}=false")
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS | gemma_fields,   # (checked providers: _unknown_keys)
                      unknown_context=None if _model_checked(model) else "megatron-core / Megatron-Bridge model",
