@@ -647,13 +647,14 @@ def _hybrid_stack_spec(field: Field | None) -> None:
 
 
 def _gemma_modules(b: ArgsBuilder, model: Mapping[str, Field]) -> frozenset[str]:
-    """Read Gemma 3's layers and refuse by name a model section that builds Gemma 2 / 4's (or Gemma 3 VL's) own
-    modules: a Gemma 4 / Gemma 3 VL provider (under its layer spec's key where the dump names one; Gemma 4's
-    softcapping field is not its only difference), a softcapping value other than null / 0 (Bridge tests ``if
-    softcap`` / ``if scale``), a Gemma 2 / 4 layer spec, or a Gemma2ModelProvider (whose defaults set both softcaps).
-    Gemma 3 (Gemma3ModelProvider or gemma3_layer_spec) sets ``post_proj_norms`` (the spec's
-    TERowParallelLinearLayerNorm) and, with the provider, ``rotary_tables`` 4 (its Gemma3RotaryEmbedding). The
-    providers memguard checks have no softcapping field: there Bridge skips the key (_unknown_keys warns)."""
+    """Read Gemma 2's and Gemma 3's layers and refuse by name a model section that builds Gemma 4's (or Gemma 3 VL's)
+    own modules: a Gemma 4 / Gemma 3 VL provider (under its layer spec's key where the dump names one; Gemma 4's
+    softcapping field is not its only difference), a Gemma 4 layer spec, or a softcapping value other than null / 0
+    (Bridge tests ``if softcap`` / ``if scale``) under a provider other than Gemma2ModelProvider. A Gemma2ModelProvider
+    is read by _gemma2_modules; gemma2_layer_spec under another provider is a problem. Gemma 3 (Gemma3ModelProvider or
+    gemma3_layer_spec) sets ``post_proj_norms`` (the spec's TERowParallelLinearLayerNorm) and, with the provider,
+    ``rotary_tables`` 4 (its Gemma3RotaryEmbedding). The providers memguard checks have no softcapping field: there
+    Bridge skips the key (_unknown_keys warns)."""
     from ..errors import NotModelledError
     from ._common import GEMMA3_FIELDS, GEMMA3_VL_WHAT, is_gemma3_class
 
