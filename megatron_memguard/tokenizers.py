@@ -26,6 +26,8 @@ KNOWN_VOCABS: dict[str, int] = {
     "meta-llama/llama-3.1-8b": 128256, "meta-llama/llama-3.2-1b": 128256, "meta-llama/llama-3.2-3b": 128256,
     "qwen2": 151936, "qwen2.5": 151936, "qwen/qwen2.5-7b": 152064, "qwen3": 151936,
     "nemotron": 256000, "gemma": 256000, "gemma2": 256000,
+    # google/gemma-2-{2b,9b,27b} config.json vocab_size (Gemma 2 technical report, arXiv 2408.00118: 256k entries)
+    "google/gemma-2-2b": 256000, "google/gemma-2-9b": 256000, "google/gemma-2-27b": 256000,
 }
 
 

@@ -59,6 +59,33 @@ def _hf_cache(root: str) -> None:
                 f.write("0")
 
 
+    # the Gemma 2 recipes (model: null, the provider bundled) read google/gemma-2-*'s config.json
+    for repo, doc in GEMMA2_HF.items():
+        base = os.path.join(root, "hub", "models--" + repo.replace("/", "--"))
+        os.makedirs(os.path.join(base, "snapshots", "0"), exist_ok=True)
+        with open(os.path.join(base, "snapshots", "0", "config.json"), "w") as f:
+            json.dump(doc, f)
+        os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+        with open(os.path.join(base, "refs", "main"), "w") as f:
+            f.write("0")
+
+
+def _gemma2_hf(layers: int, hidden: int, ffn: int, heads: int, groups: int, head_dim: int, scalar: int) -> dict:
+    """google/gemma-2-*'s published config.json (Gemma2ForCausalLM, transformers' Gemma2Config keys)."""
+    return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "torch_dtype": "float32",
+            "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": ffn, "num_attention_heads": heads,
+            "num_key_value_heads": groups, "head_dim": head_dim, "query_pre_attn_scalar": scalar, "vocab_size": 256000,
+            "max_position_embeddings": 8192, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "initializer_range": 0.02,
+            "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+
+
+GEMMA2_HF = {"google/gemma-2-2b": _gemma2_hf(26, 2304, 9216, 8, 4, 256, 256),
+             "google/gemma-2-9b": _gemma2_hf(42, 3584, 14336, 16, 8, 256, 256),
+             "google/gemma-2-27b": _gemma2_hf(46, 4608, 36864, 32, 16, 128, 144)}
+
+
 # revisions recipes pass to AutoBridge.from_hf_pretrained (recipes/qwen/h100/qwen3_moe.py, qwen3.py)
 PINNED_REVISIONS = {"Qwen/Qwen3-30B-A3B": ("ad44e777bcd18fa416d9da3bd8f70d33ebb85d39",),
                     "Qwen/Qwen3-8B": ("b968826d9c46dd6066d109eabc6255188de91218",)}
@@ -212,6 +239,8 @@ LAUNCHES = [
     ["--recipe", "llama3_8b_low_precision_pretrain_config", "-mb", "2"],
     # Gemma 3 (the recipe's own Gemma3ModelProvider)
     ["--recipe", "gemma3_1b_pretrain_config", "-sl", "8192", "-mb", "2", "-gb", "64"],
+    # Gemma 2 (AutoBridge's Gemma2ModelProvider from the config.json written above)
+    ["--recipe", "gemma2_2b_pretrain_config", "-mb", "1", "-gb", "16"],
     # PEFT recipes: --mode lora / dora picks the recipe's peft_scheme (GBS 16 for the test's 16 GPUs)
     ["--recipe", "llama32_1b_peft_config", "-gb", "16"],
     ["--model", "llama3_8b", "--mode", "dora", "-tp", "2", "-gb", "16"],
@@ -536,6 +565,7 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
 
     from megatron_memguard.errors import ConfigError
     from megatron_memguard.readers._common import GEMMA3_FIELDS, parse_overrides
+    from megatron_memguard.readers.bridge import GEMMA2_FIELDS
     from megatron_memguard.readers.bridge import _CHECKED_PROVIDERS, model_known_fields, read_bridge
     from megatron_memguard.readers.detect import read_config_file
     from megatron_memguard.readers.models import presets
@@ -544,7 +574,8 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
         model = getattr(recipes, r["functions"][0])().model
         # Gemma3ModelProvider (gemma3_1b): its own fields are the ones memguard reads for Gemma 3 (GEMMA3_FIELDS);
         # an unknown key of a Gemma 3 file is warned about, as for any provider with fields of its own
-        own = GEMMA3_FIELDS if type(model).__name__ == "Gemma3ModelProvider" else frozenset()
+        own = {"Gemma3ModelProvider": GEMMA3_FIELDS, "Gemma2ModelProvider": GEMMA2_FIELDS}.get(type(model).__name__,
+                                                                                              frozenset())
         assert type(model).__name__ in _CHECKED_PROVIDERS or own, name
         assert {f.name for f in dataclasses.fields(model)} <= model_known_fields() | own, name
     with pytest.raises(OverridesError, match="model.num_layer"):
@@ -562,39 +593,41 @@ def test_an_unknown_model_key_is_handled_as_bridge_does(recipes, tmp_path, caplo
     assert raw.args["num_layers"] == 16
 
 
-def test_a_real_gemma2_run_config_is_refused_by_name(recipes, tmp_path):
-    """Bridge's Gemma2ModelProvider builds its own core attention (FlexAttention with a softcap score_mod, or an
-    unfused fallback keeping the [b, a, s, s] scores) and a softcapping output layer; memguard models neither, so
-    its run_config.yaml dump (and the container object) is refused naming the softcapping key, not read as a GPT."""
+def test_a_real_gemma2_run_config_is_estimated(recipes, tmp_path):
+    """Bridge's Gemma2ModelProvider builds gemma2_layer_spec's layers (Gemma2FlexDotProductAttention,
+    TERowParallelLinearLayerNorm) and a softcapping Gemma2OutputLayer: its run_config.yaml dump and the container
+    object are read with ``gemma2_attention``, ``post_proj_norms`` and the final softcap."""
     import dataclasses
 
+    from megatron.bridge.models.common.te_layers import TERowParallelLinearLayerNorm
     from megatron.bridge.models.gemma import gemma2_provider as g
 
     from megatron_memguard.bridge import raw_config
-    from megatron_memguard.errors import NotModelledError
-    from megatron_memguard.readers.bridge import model_known_fields
+    from megatron_memguard.readers.bridge import GEMMA2_FIELDS, model_known_fields
     from megatron_memguard.readers.detect import read_config_file
+    from megatron_memguard.resolve import resolve
 
     cfg = recipes.llama32_1b_pretrain_config()
     cfg.model = g.Gemma2ModelProvider(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
                                       num_query_groups=2, kv_channels=64, vocab_size=1024,
                                       seq_length=cfg.model.seq_length)
-    # what the refusal rests on, from Bridge's source: the two softcaps' defaults (50.0 and 30.0) and the core
-    # attention of its layer spec; none of the three fields is one of the providers memguard reads
+    # what the reading rests on, from Bridge's source: the two softcaps' defaults (50.0 and 30.0), the modules of its
+    # layer spec, and the provider's own fields (GEMMA2_FIELDS)
     assert (cfg.model.attn_logit_softcapping, cfg.model.final_logit_softcapping) == (50.0, 30.0)
     spec = g.gemma2_layer_spec(cfg.model)
     assert spec.submodules.self_attention.submodules.core_attention is g.Gemma2FlexDotProductAttention
-    gemma_only = {f.name for f in dataclasses.fields(cfg.model)} - model_known_fields()
-    assert {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"} <= gemma_only
+    assert spec.submodules.self_attention.submodules.linear_proj is TERowParallelLinearLayerNorm
+    assert spec.submodules.mlp.submodules.linear_fc2 is TERowParallelLinearLayerNorm
+    assert {f.name for f in dataclasses.fields(cfg.model)} - model_known_fields() <= GEMMA2_FIELDS | {
+        "window_size", "rotary_base"}
     path = tmp_path / "run_config.yaml"
     cfg.to_yaml(str(path))
-    for read in (lambda: read_config_file(str(path)), lambda: raw_config(cfg)):
-        with pytest.raises(NotModelledError, match=r"^model\.attn_logit_softcapping: Gemma 2's attention logit"):
-            read()
-    cfg.model.attn_logit_softcapping = None   # the output layer's softcap alone is refused too
+    for raw in (read_config_file(str(path)), raw_config(cfg)):
+        L = resolve(raw, world_size=8)
+        assert (L.gemma2_attention, L.post_proj_norms, L.final_logit_softcapping) == (True, True, 30.0)
+    cfg.model.final_logit_softcapping = None   # logit_softcapping: ``if not scale: return logits``
     cfg.to_yaml(str(path))
-    with pytest.raises(NotModelledError, match=r"^model\.final_logit_softcapping: "):
-        read_config_file(str(path))
+    assert resolve(read_config_file(str(path)), world_size=8).final_logit_softcapping == 0.0
 
 
 def test_a_real_gemma3_run_config_is_estimated_and_gemma4_refused_by_name(recipes, tmp_path):
@@ -1725,11 +1758,11 @@ def test_every_pretraining_recipe_bridge_ships_is_read_or_refused_by_name_with_t
             with pytest.raises(NotModelledError, match=rf"^{key}: the Megatron-Bridge recipe '{fn}' \(.+; its run_config"):
                 call()
         refused.append(fn)
-    # every pretraining function of memguard's table is one Bridge ships (86 in 0.6.2; its 12 PEFT ones: tests above)
+    # every pretraining function of memguard's table is one Bridge ships (92 in 0.6.2; its 12 PEFT ones: tests above)
     from megatron_memguard.readers.models import presets
     table = {fn for r in presets()["recipes"].values() for fn in r["functions"]}
-    assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 86
-    assert len(refused) == len(functions) - 86 > 0
+    assert set(read) == {fn for fn in table if "_pretrain" in fn} and len(read) == 92
+    assert len(refused) == len(functions) - 92 > 0
 
 
 @pytest.mark.parametrize("dispatcher", [None, "alltoall"])

@@ -450,23 +450,60 @@ def test_add_bias_linear_is_true_where_mlp_forward_runs(recipe, extra, problem):
 
 
 # Gemma 2 (Megatron-Bridge 0.6.2 models/gemma/gemma2_provider.py): Gemma2ModelProvider defaults to
-# attn_logit_softcapping 50.0 and final_logit_softcapping 30.0, and its gemma2_layer_spec swaps in
-# Gemma2FlexDotProductAttention and Gemma2OutputLayer, neither of which memguard models: refused by name
+# attn_logit_softcapping 50.0 and final_logit_softcapping 30.0; its default gemma2_layer_spec brings
+# Gemma2FlexDotProductAttention and TERowParallelLinearLayerNorm, and provide() makes the output layer a
+# Gemma2OutputLayer (``if not scale: return logits``): read, each to its layout field
 GEMMA2 = FLAT.replace("megatron.bridge.models.gpt_provider.GPTModelProvider",
                       "megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider", 1)
+_GEMMA2_SPEC = ("  transformer_layer_spec:\n    _target_: megatron.bridge.models.gemma.gemma2_provider.gemma2_layer_spec\n"
+                "    _call_: false\n")
 
 
-@pytest.mark.parametrize("extra, key", [
-    ("  attn_logit_softcapping: 50.0\n", "model.attn_logit_softcapping"),
-    ("  attn_logit_softcapping: null\n  final_logit_softcapping: 30.0\n", "model.final_logit_softcapping"),
-    ("  attn_logit_softcapping: 0.0\n  final_logit_softcapping: null\n  transformer_layer_spec:\n"
-     "    _target_: megatron.bridge.models.gemma.gemma2_provider.gemma2_layer_spec\n    _call_: false\n",
-     "model.transformer_layer_spec"),
-    ("  attn_logit_softcapping: null\n  final_logit_softcapping: 0\n", "model._target_"),
+@pytest.mark.parametrize("extra, flex, cap", [
+    ("  attn_logit_softcapping: 50.0\n  final_logit_softcapping: 30.0\n", True, 30.0),
+    ("", True, 30.0),                                                     # the provider's default final softcap
+    ("  attn_logit_softcapping: 0.0\n  final_logit_softcapping: null\n" + _GEMMA2_SPEC, True, 0.0),
+    # a GPT layer spec under the provider: TE's attention, no post-projection norms; the output layer still softcaps
+    ("  final_logit_softcapping: 20.0\n  transformer_layer_spec:\n    _target_: "
+     "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec\n    _call_: false\n",
+     False, 20.0),
 ])
-def test_a_gemma2_model_is_refused_naming_the_key(tmp_path, extra, key):
-    with pytest.raises(NotModelledError, match=rf"^{key}: Gemma 2's attention logit softcapping .*Gemma2OutputLayer"):
-        read(tmp_path, GEMMA2.replace("  bf16: true\n", "  bf16: true\n" + extra, 1))
+def test_a_gemma2_model_is_read(tmp_path, extra, flex, cap):
+    L = resolve(read(tmp_path, GEMMA2.replace("  bf16: true\n", "  bf16: true\n" + extra, 1)), world_size=8)
+    assert (L.gemma2_attention, L.post_proj_norms, L.final_logit_softcapping) == (flex, flex, cap)
+
+
+@pytest.mark.parametrize("extra, overrides, key, error", [
+    # Gemma2DotProductAttention.__init__ raises on CP > 1
+    ("", ["model.context_parallel_size=2"], "model.context_parallel_size", ConfigError),
+    # a mask from the data loader, or attention dropout: the unfused fallback (not modelled)
+    ("", ["dataset.skip_getting_attention_mask_from_dataset=false"],
+     "dataset.skip_getting_attention_mask_from_dataset", NotModelledError),
+    ("  attention_dropout: 0.1\n", [], "model.attention_dropout", NotModelledError),
+])
+def test_gemma2_attention_refusals_name_the_key(tmp_path, extra, overrides, key, error):
+    with pytest.raises(error, match=rf"{key}: "):
+        resolve(read(tmp_path, GEMMA2.replace("  bf16: true\n", "  bf16: true\n" + extra, 1), overrides=overrides),
+                world_size=16)
+
+
+@pytest.mark.parametrize("packing", ["enable_offline_packing", "enable_in_batch_packing"])
+def test_gemma2_with_packed_sequences_is_a_problem(tmp_path, packing):
+    # ConfigContainer.validate (Bridge 0.6.2 training/config.py): either packing makes the batch THD, and the
+    # Gemma 2 attention raises on packed_seq_params (gemma2_provider.py)
+    text = GEMMA2.replace("dataset: {seq_length: 1024}", f"dataset: {{seq_length: 1024, {packing}: true}}", 1)
+    assert [p.key for p in read(tmp_path, text).problems] == [f"dataset.{packing}"]
+    assert read(tmp_path, text.replace(": true}", ": false}", 1)).problems == ()
+    # a GPT (TE attention) takes them
+    assert read(tmp_path, FLAT.replace("dataset: {seq_length: 1024}", f"dataset: {{seq_length: 1024, {packing}: true}}",
+                                       1)).problems == ()
+
+
+def test_gemma2_layer_spec_needs_its_provider(tmp_path):
+    # under GPTModelProvider Gemma2DotProductAttention's config.query_pre_attn_scalar does not exist
+    raw = read(tmp_path, FLAT.replace("  bf16: true\n", "  bf16: true\n" + _GEMMA2_SPEC, 1))
+    assert [p.key for p in raw.problems] == ["model.transformer_layer_spec"]
+    assert "Gemma2ModelProvider" in str(raw.problems[0])
 
 
 def test_a_softcapping_key_under_gpt_provider_is_skipped_as_bridge_skips_it(tmp_path):
@@ -573,9 +610,30 @@ def test_a_gemma3_finetuning_recipe_points_to_its_run_config(name):
         read_model(name)
 
 
-def test_the_gemma2_recipes_are_refused_for_the_same_reason_as_their_dump():
+# Bridge 0.6.2 recipes/gemma/h100/gemma2.py (recipes/gemma/gemma2.py aliases each as gemma2_*_pretrain_config): the
+# provider AutoBridge makes of google/gemma-2-*'s config.json (Gemma2Bridge.provider_bridge), seq 4096, TE, MBS 2 /
+# GBS 32 (_pretrain_common), TP 2 / 8 / 8, PP 1 / 1 / 2
+@pytest.mark.parametrize("name, gpus, shape, tp, pp", [
+    ("gemma2_2b_pretrain_2gpu_h100_bf16_config", 2, (26, 2304, 9216, 8, 4, 256), 2, 1),
+    ("gemma2_9b_pretrain_config", 8, (42, 3584, 14336, 16, 8, 256), 8, 1),
+    ("gemma2_27b_pretrain_16gpu_h100_bf16_config", 16, (46, 4608, 36864, 32, 16, 128), 8, 2),
+])
+def test_the_gemma2_pretraining_recipes_are_read_by_name(name, gpus, shape, tp, pp):
     from megatron_memguard.readers.models import read_model
 
-    with pytest.raises(NotModelledError, match=r"^--model: the Megatron-Bridge recipe 'gemma2_9b_pretrain_config' "
-                       r"\(Gemma 2's attention logit softcapping .*; its run_config.yaml dump is refused for the same"):
-        read_model("gemma2_9b_pretrain_config")
+    L = resolve(read_model(name), world_size=gpus)
+    assert (L.num_layers, L.hidden_size, L.ffn_hidden_size, L.num_attention_heads, L.num_query_groups,
+            L.kv_channels) == shape
+    assert (L.tp, L.pp, L.seq_length, L.micro_batch_size, L.global_batch_size, L.padded_vocab_size) == \
+        (tp, pp, 4096, 2, 32, 256_000)
+    # gemma2_layer_spec (FlexAttention, post-projection norms), Gemma2OutputLayer's 30.0, no dropout, no mask
+    assert (L.gemma2_attention, L.post_proj_norms, L.final_logit_softcapping) == (True, True, 30.0)
+    assert (L.attention_dropout, L.hidden_dropout, L.create_attention_mask_in_dataloader) == (0.0, 0.0, False)
+
+
+def test_a_gemma2_finetuning_recipe_points_to_its_run_config():
+    from megatron_memguard.readers.models import read_model
+
+    with pytest.raises(NotModelledError, match=r"^--model: the Megatron-Bridge recipe 'gemma2_9b_sft_config' \(a Gemma 2 "
+                       r"recipe memguard has no entry for .*; its run_config.yaml dump can be read with --config\)"):
+        read_model("gemma2_9b_sft_config")

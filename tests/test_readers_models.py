@@ -84,7 +84,8 @@ def test_recipe_names_give_the_recipe():
     # the 128K-sequence recipe is a recipe of its own (recipes/llama/h100/llama3.py llama3_8b_128k_pretrain_config),
     # not llama3_8b's; a Bridge recipe memguard has no entry for is no recipe
     assert find_recipe("llama3_8b_pretrain_64gpu_h100_bf16_128k_config") == find_recipe("llama3_8b_128k") == "llama3_8b_128k"
-    assert find_recipe("gemma2_2b_pretrain_config") is None
+    assert find_recipe("gemma2_2b_pretrain_config") == "gemma2_2b"   # (recipes/gemma/gemma2.py's alias)
+    assert find_recipe("gemma2_2b_sft_config") is None
     shape_only = read_model("llama3_8b", shape_only=True)
     assert "context_parallel_size" not in shape_only.args and shape_only.args["num_layers"] == 32
 

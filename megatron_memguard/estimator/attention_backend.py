@@ -73,7 +73,7 @@ from ..layout import Layout
 class AttentionBackend:
     """The backend asked for, the kernel whose tensors are modelled, and why."""
     requested: str          # --attention-backend (auto | flash | fused | unfused | local)
-    selected: str           # flash | fused | unfused | local: what the attention terms model
+    selected: str           # flash | fused | unfused | local | flex: what the attention terms model
     why: str
 
     def to_dict(self) -> dict[str, str]:
@@ -224,10 +224,16 @@ def explicit_blocked(L: Layout, gpu: GpuSpec | None) -> str | None:
     backend is available" at the first forward step. fp32 and flash for MLA under core 0.16 are refused earlier
     (resolve/kernels.py); FP8 attention's cuDNN rules are resolve/fp8.py's."""
     asked = L.attention_backend
-    if L.transformer_impl != "transformer_engine" or asked not in ("flash", "fused"):
+    if L.transformer_impl != "transformer_engine" or asked not in ("flash", "fused") or _gemma2_flex(L):
         return None
     cc = gpu.compute_capability if gpu is not None else None
     return _flash_blocked(L, cc, explicit=True) if asked == "flash" else _cudnn_blocked(L, cc)
+
+
+def _gemma2_flex(L: Layout) -> bool:
+    """Gemma 2's layer spec brings its own core attention (Megatron-Bridge 0.6.2 gemma2_provider.py), which only
+    ``--attention-backend local`` replaces (gpt_provider.py provide)."""
+    return getattr(L, "gemma2_attention", False) and L.attention_backend != "local"
 
 
 def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:
@@ -236,6 +242,9 @@ def select(L: Layout, gpu: GpuSpec | None) -> AttentionBackend:
     if L.transformer_impl == "local" or asked == "local":
         return AttentionBackend(asked, "local", "megatron-core's own DotProductAttention (local spec or "
                                 "--attention-backend local)")
+    if _gemma2_flex(L):
+        return AttentionBackend(asked, "flex", "Gemma 2's Gemma2FlexDotProductAttention (PyTorch FlexAttention, "
+                                "gemma2_layer_spec): Transformer Engine's attention does not run")
     if asked != "auto":
         return AttentionBackend(asked, asked, f"--attention-backend {asked}")
     cc = gpu.compute_capability if gpu is not None else None

@@ -62,7 +62,7 @@ from .states import StageStates, bucket_size_for, stage_states
 PROFILES = ("auto", "transformer_engine", "local", "fujii2024")
 _ALLOCATED = TermLevel.ALLOCATED   # Term's default level, passed with a detail made at its first read
 # what the last stage keeps per micro-batch for its final norm, output layer and loss, besides the softmax
-OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets")
+OUTPUT_ITEMS = ("final_norm_input", "final_norm_stats", "output_layer_input", "loss_targets", "final_logit_softcap")
 _FINAL_NORM_ITEMS = ("final_norm_input", "final_norm_stats")
 
 
@@ -868,6 +868,11 @@ def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple
                   + (f" of inputs {', '.join(f'{k} s' for k in folds)}" if set(folds) != {1} else ""))
     if rotary:
         rows.append(("rotary_cache", rotary[0], "transients", "allocated", rotary[1]))
+    if mixer == MIXER_ATTENTION:
+        from .layers.attention import flex_block_masks
+        masks = flex_block_masks(L, layers)
+        if masks:
+            rows.append(("flex_block_masks", masks[0], "transients", "allocated", masks[1]))
     if L.dsa_indexer_topk_freq > 1:
         # the chunks whose forward has no attention mask hang the shared top-k on the TransformerConfig: each computing
         # layer's latest top-k stays there (DSAttention._get_index_share_carrier, dsa.py 0.19.2)
@@ -1159,7 +1164,7 @@ def _peak_one_chunk(L: Layout, pp_rank: int, a: ChunkActivations) -> tuple[int, 
 
 
 _END_GROUPS = {
-    "loss_softmax_fp32": "logits_loss", "loss_targets": "logits_loss",
+    "loss_softmax_fp32": "logits_loss", "loss_targets": "logits_loss", "final_logit_softcap": "logits_loss",
     "final_norm_input": "activations", "final_norm_stats": "activations", "output_layer_input": "activations",
     "pipeline_inputs_retained": "transients",
     "mtp_block_activations": "activations", "mtp_received_hidden": "activations", "mtp_loss_buffers": "logits_loss", "offload_staging": "transients",

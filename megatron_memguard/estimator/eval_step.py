@@ -100,6 +100,11 @@ def chunk_parts(E: Layout, c: Chunk, others_inputs: int = 0) -> dict[str, int]:
     if c.has_output:
         o = output_items(E)
         moments["eval_logits_loss"] = sum(o.saved.values()) + o.fwd_transient
+        tanh = o.saved.get("final_logit_softcap", 0)
+        if tanh:
+            # Gemma 2's softcap under no_grad keeps no tanh, but the output layer's logits, the tanh and the capped
+            # logits coexist before the loss's fp32 copy is made (head._final_softcap)
+            moments["eval_logits_loss"] += max(0, 3 * tanh - o.saved["loss_softmax_fp32"] - o.fwd_transient) - tanh
     if moments:
         name = max(moments, key=lambda k: moments[k])
         parts[name] = moments[name]

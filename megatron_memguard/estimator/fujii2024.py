@@ -70,7 +70,9 @@ def estimate_fujii2024(layout: Layout, gpu: GpuSpec | None = None, gpu_memory: i
     for on, what in ((layout.optimizer not in ("adam", "sgd"), f"the {layout.optimizer} optimizer"),
                      (layout.mtp_num_layers and layout.pp == 1, "multi-token prediction"),
                      (layout.attention_output_gate, "the attention output gate"),
-                     (getattr(layout, "post_proj_norms", False), "Gemma 3's post-projection norms"),
+                     (getattr(layout, "post_proj_norms", False),
+                      f"Gemma {2 if getattr(layout, 'gemma2_attention', False) else 3}'s post-projection norms"),
+                     (getattr(layout, "final_logit_softcapping", 0.0), "Gemma 2's final logit softcapping"),
                      (layout.cuda_graph_impl != "none", "CUDA graphs"),
                      (layout.cpu_offloading_num_layers or layout.fine_grained_activation_offloading,
                       "activation offloading")):

@@ -134,8 +134,26 @@ def output_items(L: Layout) -> EndItems:
     # the output layer's weight gradient: fused into main_grad, deferred to the pipeline flush
     # (--defer-embedding-wgrad-compute), or materialised here
     wgrad = 0 if (L.fused_wgrad or L.defer_embedding_wgrad_compute or frozen_output) else v_t * x.h * x.e
-    bwd = max(cast, -kept + logits + x.Tf * x.h * x.e + wgrad)
-    return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd, bwd_wgrad_moment=-kept + x.Tf * x.h * x.e + wgrad)
+    tanh, cap_step = _final_softcap(L, logits, kept)
+    if tanh:
+        saved["final_logit_softcap"] = tanh
+        fwd = max(fwd, cap_step)
+    bwd = max(cast, cap_step, -kept - tanh + logits + x.Tf * x.h * x.e + wgrad)
+    return EndItems(saved=saved, fwd_transient=fwd, bwd_transient=bwd,
+                    bwd_wgrad_moment=-kept - tanh + x.Tf * x.h * x.e + wgrad)
+
+
+def _final_softcap(L: Layout, logits: int, kept: int) -> tuple[int, int]:
+    """Gemma2OutputLayer's final logit softcapping (Megatron-Bridge 0.6.2 gemma2_provider.py ``logit_softcapping``:
+    ``cap * torch.tanh(logits / cap)`` on the output layer's [s, b, V/TP] logits, in their dtype). Autograd keeps
+    the tanh's output (tanh's backward reads its result; dividing and multiplying by a Python number keep nothing),
+    so (bytes saved, the working set over everything the head saves at its worst softcap step): forward, the
+    output layer's logits (the caller still holds them), the tanh and the capped logits being written, before the
+    loss's fp32 copy exists; backward, once the loss's fp32 gradient is cast and freed, a logits-sized gradient in
+    and one out at each of the three steps."""
+    if not getattr(L, "final_logit_softcapping", 0.0):
+        return 0, 0
+    return logits, 2 * logits - kept
 
 
 def tied_wgrad_wait(L: Layout, has_embedding: bool, has_output: bool) -> tuple[int, int]:

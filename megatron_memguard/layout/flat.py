@@ -56,6 +56,7 @@ _RUNS: tuple[tuple[str, str], ...] = (
     ("optim", "freeze_all_layers optimizer_cuda_graph"),
     ("shape", "attention_output_gate"),
     ("shape", "post_proj_norms rotary_tables"),
+    ("shape", "gemma2_attention final_logit_softcapping"),
     ("shape", "mtp_use_repeated_layer"),
     ("recompute", "activation_offload_fraction delta_offload_bytes_across_pp_ranks delay_offload_until_cuda_graph"),
     ("recompute", "fine_grained_offloading_max_inflight_offloads"),
@@ -115,6 +116,7 @@ OMITTED_AT_DEFAULT: dict[str, object] = {
     "ddp_param_name_patterns_for_fp32_local_accumulation": (),
     "freeze_all_layers": False, "optimizer_cuda_graph": False, "attention_output_gate": False,
     "post_proj_norms": False, "rotary_tables": 1,
+    "gemma2_attention": False, "final_logit_softcapping": 0.0,
     "activation_offload_fraction": 1.0, "delta_offload_bytes_across_pp_ranks": 0, "delay_offload_until_cuda_graph": False,
     "fine_grained_offloading_max_inflight_offloads": None,
     "softmax_type": "vanilla", "flash_attention_version": None,   # they pick TE's attention kernel (attention_backend)

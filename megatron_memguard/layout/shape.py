@@ -46,6 +46,11 @@ class ModelShape:
     # [s/CP, 1, 1, d] fp32 rotary tables the rotary embedding keeps cached: 1 (megatron-core's); Gemma 3's local and
     # global ones: 2 (NeMo 2), 4 with their cached torch.stack (Megatron-Bridge)
     rotary_tables: int = 1
+    # Gemma 2's core attention (Megatron-Bridge 0.6.2 gemma2_provider.py gemma2_layer_spec): Gemma2FlexDotProductAttention,
+    # PyTorch FlexAttention with the attention-logit softcap as its score_mod, in place of TE's DotProductAttention
+    gemma2_attention: bool = False
+    # Gemma2OutputLayer (gemma2_provider.py): logits -> cap * tanh(logits / cap) on the output layer; 0: none
+    final_logit_softcapping: float = 0.0
     # --heterogeneous-layers-config-path: each layer's blocks as "mixer/mlp" words joined by commas
     # (resolve/heterogeneous.py: attention | attention:GROUPS | none | linear, dense | dense:FFN | none | linear | moe);
     # None: every layer alike

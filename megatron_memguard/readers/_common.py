@@ -120,8 +120,9 @@ def _number(v: Any) -> Any:
 # builds alike): gemma2_layer_spec's core attention is Gemma2FlexDotProductAttention (PyTorch FlexAttention with the
 # softcap as a score_mod; its unfused parent when FlexAttention is missing, a padding mask is passed or attention
 # dropout is on, which keeps the [b, a/TP, s, s] scores, their tanh softcap and a sliding-window mask), and
-# Gemma2OutputLayer softcaps the [s, b, V/TP] logits. memguard models TE's attention and megatron-core's output
-# layer: such a model is refused, not estimated as a GPT.
+# Gemma2OutputLayer softcaps the [s, b, V/TP] logits. The Bridge reader estimates a Gemma2ModelProvider
+# (readers/bridge.py _gemma2_modules: the FlexAttention path and the softcap); this reason refuses what is left: NeMo 2's
+# Gemma2Config (its defaults not bundled) and a softcapping key under another provider.
 GEMMA2_WHAT = ("Gemma 2's attention logit softcapping and final logit softcapping (Megatron-Bridge's "
                "Gemma2FlexDotProductAttention, FlexAttention or an unfused fallback keeping the [b, a, s, s] scores, and "
                "Gemma2OutputLayer, models/gemma/gemma2_provider.py)")

@@ -647,13 +647,14 @@ def _hybrid_stack_spec(field: Field | None) -> None:
 
 
 def _gemma_modules(b: ArgsBuilder, model: Mapping[str, Field]) -> frozenset[str]:
-    """Read Gemma 3's layers and refuse by name a model section that builds Gemma 2 / 4's (or Gemma 3 VL's) own
-    modules: a Gemma 4 / Gemma 3 VL provider (under its layer spec's key where the dump names one; Gemma 4's
-    softcapping field is not its only difference), a softcapping value other than null / 0 (Bridge tests ``if
-    softcap`` / ``if scale``), a Gemma 2 / 4 layer spec, or a Gemma2ModelProvider (whose defaults set both softcaps).
-    Gemma 3 (Gemma3ModelProvider or gemma3_layer_spec) sets ``post_proj_norms`` (the spec's
-    TERowParallelLinearLayerNorm) and, with the provider, ``rotary_tables`` 4 (its Gemma3RotaryEmbedding). The
-    providers memguard checks have no softcapping field: there Bridge skips the key (_unknown_keys warns)."""
+    """Read Gemma 2's and Gemma 3's layers and refuse by name a model section that builds Gemma 4's (or Gemma 3 VL's)
+    own modules: a Gemma 4 / Gemma 3 VL provider (under its layer spec's key where the dump names one; Gemma 4's
+    softcapping field is not its only difference), a Gemma 4 layer spec, or a softcapping value other than null / 0
+    (Bridge tests ``if softcap`` / ``if scale``) under a provider other than Gemma2ModelProvider. A Gemma2ModelProvider
+    is read by _gemma2_modules; gemma2_layer_spec under another provider is a problem. Gemma 3 (Gemma3ModelProvider or
+    gemma3_layer_spec) sets ``post_proj_norms`` (the spec's TERowParallelLinearLayerNorm) and, with the provider,
+    ``rotary_tables`` 4 (its Gemma3RotaryEmbedding). The providers memguard checks have no softcapping field: there
+    Bridge skips the key (_unknown_keys warns)."""
     from ..errors import NotModelledError
     from ._common import GEMMA3_FIELDS, GEMMA3_VL_WHAT, is_gemma3_class
 
@@ -677,6 +678,17 @@ def _gemma_modules(b: ArgsBuilder, model: Mapping[str, Field]) -> frozenset[str]
         b.set("rotary_tables", 4, key)
     if cls_what is not None and cls_what is not GEMMA2_WHAT:
         raise NotModelledError(spec_key if spec_what else key, spec_what or cls_what)
+    gemma2 = cls_what is GEMMA2_WHAT
+    gemma2_spec = spec_what is GEMMA2_WHAT
+    if gemma2_spec and not gemma2:
+        # Gemma2DotProductAttention.__init__ reads config.query_pre_attn_scalar, a field of Gemma2ModelProvider only
+        b.problem(spec_key, "gemma2_layer_spec needs Gemma2ModelProvider: its Gemma2DotProductAttention reads "
+                  "config.query_pre_attn_scalar, which this provider does not have (AttributeError at model build; "
+                  "Megatron-Bridge 0.6.2 gemma2_provider.py)", "model._target_: "
+                  "megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider")
+        spec_what = None
+    if gemma2:
+        return _gemma2_modules(b, model, key, spec_key, gemma2_spec or spec is None, spec_what)
     if not _model_checked(model):
         refuse_softcapping(model)
     if spec_what is not None:
@@ -684,6 +696,33 @@ def _gemma_modules(b: ArgsBuilder, model: Mapping[str, Field]) -> frozenset[str]
     if cls_what is not None:
         raise NotModelledError(key, cls_what)
     return GEMMA3_FIELDS if gemma3 else frozenset()
+
+
+# Gemma2ModelProvider's own fields (Megatron-Bridge 0.6.2 gemma2_provider.py): the attention softcap (FlexAttention's
+# score_mod: no tensor of its own) and the query scale change no memory; the final softcap is read
+GEMMA2_FIELDS = frozenset({"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"})
+
+
+def _gemma2_modules(b: ArgsBuilder, model: Mapping[str, Field], key: str, spec_key: str, gemma2_spec: bool,
+                    spec_what: str | None) -> frozenset[str]:
+    """A Gemma2ModelProvider: its provide() turns the output layer into Gemma2OutputLayer (``final_logit_softcapping``,
+    default 30.0; null / 0 softcaps nothing: ``if not scale``), and its default gemma2_layer_spec (or that spec named)
+    brings Gemma2FlexDotProductAttention (``gemma2_attention``) and TERowParallelLinearLayerNorm (``post_proj_norms``).
+    Another spec under it (a GPT one) keeps its own layers; a Gemma 4 spec is refused."""
+    from ..errors import NotModelledError
+
+    if spec_what is not None and not gemma2_spec:
+        raise NotModelledError(spec_key, spec_what)
+    if gemma2_spec:
+        b.set("post_proj_norms", True, spec_key or key)
+        b.set("gemma2_attention", True, spec_key or key)
+    cap, cap_key = model.get("final_logit_softcapping", (30.0, key + " (Gemma2ModelProvider: 30.0)"))
+    if cap is None or is_missing(cap):
+        cap = 0.0
+    b.set("final_logit_softcapping", cap, cap_key)
+    for name in ("attention_dropout", "hidden_dropout"):   # Gemma2ModelProvider's 0.0 (the file's value wins)
+        b.default(name, 0.0, f"{key} (Gemma2ModelProvider: 0.0)")
+    return GEMMA2_FIELDS
 
 
 def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], has_target: bool,  # noqa: C901
@@ -726,6 +765,15 @@ def _map(b: ArgsBuilder, S: dict[str, dict[str, Field]], top: dict[str, Field], 
     model = S.get("model", {})
     _hybrid_stack_spec(model.get("hybrid_stack_spec"))
     gemma_fields = _gemma_modules(b, model)
+    if b.args.get("gemma2_attention"):
+        for name in ("enable_offline_packing", "enable_in_batch_packing"):
+            if has("dataset", name) and bridge_truth(b, v("dataset", name), k("dataset", name)):
+                # ConfigContainer.validate: either makes the batch THD (uses_thd), so the step hands packed_seq_params
+                # to the core attention, which Gemma2DotProductAttention / its Flex subclass raise on
+                b.problem(k("dataset", name), "packs sequences, which Gemma 2's attention refuses: "
+                          "Gemma2FlexDotProductAttention raises 'Packed sequence is not supported by "
+                          "DotProductAttention' (Megatron-Bridge 0.6.2 gemma2_provider.py)",
+                          f"{k('dataset', name)}=false")
     gpt_fields = config_fields().get("GPTModelProvider", frozenset()) | config_fields().get("GPTModelConfig", frozenset())
     map_mcore_fields(b, model, extra_known=gpt_fields | _MODEL_EXTRAS | gemma_fields,   # (checked providers: _unknown_keys)
                      unknown_context=None if _model_checked(model) else "megatron-core / Megatron-Bridge model",

@@ -241,22 +241,61 @@ def attention_variant(a: Args, kw: Mapping[str, Any], ctx: Context) -> dict[str,
 
 
 def _post_proj_norms(a: Args, kw: Mapping[str, Any], mla: bool) -> dict[str, Any]:
-    """Gemma 3's layer spec (set by the Bridge reader, not a Megatron flag): TERowParallelLinearLayerNorm as linear_proj
-    and linear_fc2 of TE's dense GPT layer (Megatron-Bridge 0.6.2 gemma3_provider.py gemma3_layer_spec)."""
+    """Gemma 2 / 3's layer specs (set by the Bridge reader, not Megatron flags): TERowParallelLinearLayerNorm as
+    linear_proj and linear_fc2 of TE's dense GPT layer (Megatron-Bridge 0.6.2 gemma3_provider.py gemma3_layer_spec,
+    gemma2_provider.py gemma2_layer_spec), and Gemma 2's own core attention and output-layer softcap."""
     post = a.bool_arg("post_proj_norms", False)
-    if post:
+    gemma2 = a.bool_arg("gemma2_attention", False)
+    which = "Gemma 2's" if gemma2 else "Gemma 3's"
+    if post or gemma2:
         if kw.get("add_bias_linear"):
             # TERowParallelLinearLayerNorm.forward raises ValueError on a bias (models/common/te_layers.py)
-            a.fail("add_bias_linear", "must be off with Gemma 3's layer spec: TERowParallelLinearLayerNorm refuses a "
+            a.fail("add_bias_linear", f"must be off with {which} layer spec: TERowParallelLinearLayerNorm refuses a "
                    "linear bias (Megatron-Bridge te_layers.py)", "set model.add_bias_linear false")
         if kw.get("transformer_impl") != "transformer_engine":
-            a.fail("transformer_impl", "must be transformer_engine with Gemma 3's layer spec (its modules are TE's)")
+            a.fail("transformer_impl", f"must be transformer_engine with {which} layer spec (its modules are TE's)")
         if mla:
-            a.fail("multi_latent_attention", "is not part of Gemma 3's layer spec (gemma3_layer_spec builds "
-                   "Gemma3SelfAttention)")
+            a.fail("multi_latent_attention", f"is not part of {which} layer spec (it builds a standard self-attention)")
         if a.get("num_experts"):
-            a.fail("num_experts", "is not part of Gemma 3's layer spec (gemma3_layer_spec builds a dense MLP)")
-    return dict(post_proj_norms=post, rotary_tables=a.int_arg("rotary_tables", 1, minimum=1))
+            a.fail("num_experts", f"is not part of {which} layer spec (it builds a dense MLP)")
+    if gemma2:
+        _gemma2_attention(a, kw)
+    cap = a.float_arg("final_logit_softcapping", 0.0)
+    if cap < 0:
+        a.fail("final_logit_softcapping", f"must be 0 (none) or positive, got {cap}")
+    if (gemma2 or cap > 0) and (a.int_arg("mtp_num_layers", 0, minimum=0) or 0) > 0:
+        from ..errors import NotModelledError
+        # the MTP heads run the softcapping output layer and, with gemma2_layer_spec, Gemma 2's attention
+        raise NotModelledError(a.key("mtp_num_layers"), "multi-token prediction with Gemma 2's layers (the MTP "
+                               "heads' softcapped logits and FlexAttention layers)")
+    return dict(post_proj_norms=post, rotary_tables=a.int_arg("rotary_tables", 1, minimum=1),
+                gemma2_attention=gemma2, final_logit_softcapping=max(cap, 0.0))
+
+
+def _gemma2_attention(a: Args, kw: Mapping[str, Any]) -> None:
+    """Gemma2FlexDotProductAttention (Megatron-Bridge 0.6.2 gemma2_provider.py): its parent raises on context
+    parallelism and on packed sequences; it runs FlexAttention only without an attention mask and without attention
+    dropout, else its unfused parent (s x s scores, their tanh softcap and a sliding-window mask), which memguard
+    does not model. ``--attention-backend local`` swaps it for megatron-core's DotProductAttention (gpt_provider.py
+    provide), which is modelled."""
+    if kw.get("attention_backend") == "local":
+        return
+    if (kw.get("context_parallel_size") or 1) > 1:
+        a.fail("context_parallel_size", "must be 1 with Gemma 2's layer spec: Gemma2DotProductAttention raises "
+               "'Context parallelism is only supported by TEDotProductAttention!' (gemma2_provider.py)")
+    from ..errors import NotModelledError
+    if a.bool_arg("create_attention_mask_in_dataloader", True):
+        raise NotModelledError(a.key("create_attention_mask_in_dataloader"), GEMMA2_UNFUSED_WHAT + " (the data "
+                               "loader hands an attention mask to every layer; Bridge skips it by default: "
+                               "dataset.skip_getting_attention_mask_from_dataset true)")
+    if a.float_arg("attention_dropout", 0.1) > 0:   # (megatron-core's default 0.1; the Bridge reader sets Gemma 2's 0.0)
+        raise NotModelledError(a.key("attention_dropout"), GEMMA2_UNFUSED_WHAT + " (attention dropout is on; "
+                               "Gemma2ModelProvider's default is 0.0)")
+
+
+GEMMA2_UNFUSED_WHAT = ("Gemma 2's unfused attention fallback (Gemma2FlexDotProductAttention runs its parent "
+                       "Gemma2DotProductAttention when a mask is passed or dropout is on: [b, a/TP, s, s] scores, their "
+                       "tanh softcap and, on the sliding-window layers, another mask; gemma2_provider.py)")
 
 
 def _mla_shape(a: Args, kw: Mapping[str, Any]) -> dict[str, Any]:

@@ -82,7 +82,8 @@ def param_count(L: Layout) -> int:
 def attention_kind(L: Layout) -> str:
     """Which core attention runs: local_unfused (megatron DotProductAttention, torch softmax),
     local_fused_softmax (its fused scale-mask-softmax kernel), te_unfused (TE's
-    UnfusedDotProductAttention) or fused (flash / cuDNN: no s x s tensors)."""
+    UnfusedDotProductAttention), fused (flash / cuDNN: no s x s tensors) or flex (Gemma 2's
+    Gemma2FlexDotProductAttention: PyTorch FlexAttention, no s x s tensors either)."""
     x = shapes(L)
     # --attention-backend local swaps the TE spec's core attention for megatron-core's own
     # DotProductAttention (core 0.19.2 training/models/gpt.py; Megatron-Bridge 0.6.2 gpt_provider.py
@@ -93,6 +94,10 @@ def attention_kind(L: Layout) -> str:
         kernel = (L.masked_softmax_fusion and L.params_dtype in ("bf16", "fp16") and 16 < x.s <= 4096
                   and x.s % 4 == 0 and (x.b * x.a_t) % 4 == 0)
         return "local_fused_softmax" if kernel else "local_unfused"
+    if getattr(L, "gemma2_attention", False):
+        # gemma2_layer_spec's own core attention, whatever TE backend is asked for (Megatron-Bridge 0.6.2
+        # gemma2_provider.py); its unfused fallback (a mask or dropout) is refused (resolve/shape.py)
+        return "flex"
     if L.attention_backend == "unfused":
         return "te_unfused"
     return "fused"
@@ -242,17 +247,24 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         # are what the attention keeps (new tensors next to the qkv output)
         heads = a_t + g_t
         saved["qk_norm_stats"] = Tf * heads * 4 * (2 if L.normalization == "LayerNorm" else 1)
-        if not rope and not (gqa and kind != "fused"):
+        if not rope and not (gqa and kind not in ("fused", "flex")):
             saved["query_norm"] = q
             saved["key_norm"] = kv1
     if kind == "fused" and L.cp > 1 and not recompute_core:
         return _cp_attention_items(L, x, saved, q, kv1, qkv_w, rope)
     if kind == "fused" and L.attention_backend == "flash" and not recompute_core:
         return _flash_attention_items(L, x, saved, q, kv1, qkv_w, rope)
-    if kind == "fused":
+    if kind in ("fused", "flex"):
         # Flash / cuDNN fused attention keeps q, k, v (v a view of the qkv output, q and k new after
         # rope), the output O (the same storage linear_proj keeps as its input) and fp32 softmax
         # statistics [b, a, s, 1] (TE FusedAttnFunc / FlashAttention autograd functions).
+        # Gemma 2's torch.compile'd FlexAttention keeps the same: FlexAttentionAutogradOp saves q, k, v (permuted
+        # views, K/V not repeated under enable_gqa), its output and the fp32 logsumexp [b, a/t, s] (torch 2.14
+        # _higher_order_ops/flex_attention.py; max_scores is saved too but unused by the backward, so the compiled
+        # graph drops it); inductor lays the output out in the query's stride order ([s, b, a, d], kernel/flex/
+        # flex_attention.py ``infer_dense_strides``), so Gemma2FlexDotProductAttention's ``.permute(2, 0, 1, 3)
+        # .contiguous()`` copies nothing and linear_proj keeps that storage. Its backward allocates dq, dk, dv (K/V
+        # heads) and the fp32 ``delta`` [b, a/t, s] next to dO: fused_attention_bwd's terms.
         stats = x.b * a_t * x.s * 4
         saved["qkv_output"] = Tf * qkv_w * e
         if rope:
@@ -462,7 +474,10 @@ def bound_saved(L: Layout, tp: int, b: int, seq: int, sp: bool, mods: set) -> in
 
 
 def _unfused(L: Layout) -> bool:
-    """The s x s scores are materialised (local spec, or --attention-backend unfused)."""
+    """The s x s scores are materialised (local spec, or --attention-backend unfused; not Gemma 2's FlexAttention,
+    which runs whatever TE backend is asked for)."""
+    if getattr(L, "gemma2_attention", False) and L.transformer_impl != "local":
+        return L.attention_backend == "local"
     return L.transformer_impl == "local" or L.attention_backend in ("unfused", "local")
 
 
@@ -497,6 +512,22 @@ def rotary_cache(L: Layout, layers: int) -> tuple[int, str] | None:
         # (_forward_cached: 4 tables' bytes), NeMo 2.5.0 (gemma3.py) returns the two as a tuple (2)
         return tables * one, f"cached fp32 rotary frequencies, {tables} x [s/CP, 1, 1, d] (local and global tables)"
     return one, "cached fp32 rotary frequencies [s/CP, 1, 1, d]"
+
+
+FLEX_BLOCK = 128   # torch.nn.attention.flex_attention _DEFAULT_SPARSE_BLOCK_SIZE (create_block_mask's BLOCK_SIZE)
+
+
+def flex_block_masks(L: Layout, layers: int) -> tuple[int, str] | None:
+    """The BlockMask each of ``layers`` Gemma 2 attention layers caches (Gemma2FlexDotProductAttention
+    ``_flex_block_mask_cache``, one per layer instance and sequence length; Megatron-Bridge 0.6.2 gemma2_provider.py),
+    or None: create_block_mask with B = H = None keeps four int32 block counts [1, 1, n] and four int32 block-index
+    tables [1, 1, n, n] (kv, full kv, q, full q), n = ceil(s / 128) (measured on torch 2.13 and 2.14: 16,896 B at
+    s = 4096), local and global layers alike."""
+    if attention_kind(L) != "flex" or not layers:
+        return None
+    n = -(-L.seq_length // FLEX_BLOCK)
+    return (layers * 4 * 4 * (n * n + n),
+            f"FlexAttention block masks of {layers} layer(s), 4 x [1, 1, {n}, {n}] + 4 x [1, 1, {n}] int32 each")
 
 
 def head_dims(L: Layout) -> tuple[int, int]:
