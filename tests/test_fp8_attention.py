@@ -420,28 +420,67 @@ def test_all_gather_attention_working_sets_by_hand(recipe, version, env):
     alive = 2 * Q + KV                       # Megatron's rope'd BF16 q and v made contiguous (FusedAttention.forward)
     assert f.fwd_steps[0][1] == alive + 2 * W + W + 512            # combine_and_quantize
     # gather_along_first_dim of the FP8 k, v ([cp x TC, g, d] each) and their index_select'ed copies (k_ag, v_ag,
-    # alive to the end); per step (two streams) q.select(..).contiguous() (Q / 2), the K/V slice of the widest step
-    # (rank 0's chunk 2 CP - 1: the whole gathered K/V) made contiguous, both steps' BF16 out_per_step and out_f16,
-    # the statistics; delayed: a step's FP8 output before its dequantization; TE 2.18.0 on (2.20.2 here, not 2.15.0):
-    # "out = torch.zeros(o_shape, dtype=fwd_nominal_dtype, ...)", THD's accumulator made for sbhd too (BF16, Q)
+    # alive to the end); per step (two streams) both steps' BF16 out_per_step and out_f16, the statistics; delayed:
+    # a step's FP8 output before its dequantization; TE 2.18.0 on (2.20.2 here, not 2.15.0): "out =
+    # torch.zeros(o_shape, dtype=fwd_nominal_dtype, ...)", THD's accumulator made for sbhd too (BF16, Q). The step's
+    # q half and K/V slice are views (sbhd, test_all_gather_step_inputs_are_views): no bytes. At the end both BF16
+    # outputs, out_f16's statistics and (delayed) out_fp8 = O_quantizer(out_f16) (Q + a 512 B scale)
     zeros = 2 * Q if env is None else 0
-    steps = cp * KV + Q // 2 + cp * KV + 2 * Q + 2 * Q + zeros + STATS + (Q // 2 if delayed else 0)
-    assert f.fwd_steps[1][1] == alive + steps
+    steps = cp * KV + 2 * Q + 2 * Q + zeros + STATS + (Q // 2 if delayed else 0)
+    fwd_end = cp * KV + 4 * Q + zeros + STATS + (Q + 512 if delayed else 0)
+    assert f.fwd_steps[1][1] == alive + max(steps, fwd_end)
+    if env is None:
+        assert round(max(steps, fwd_end) / 2 ** 20, 2) == (64.25 if delayed else 56.25)
+    # (TE 2.20.2: 64.25 MiB over alive delayed, 56.25 MiB tensorwise; 72.25 / 68.25 MiB when the 4 MiB q half and
+    # the 8 MiB widest K/V slice were counted as copies)
     # backward: dout (BF16) and dout_fp8, dq (torch.empty BF16), dk / dv torch.zeros of cp x TC rows (BF16), k_ag /
-    # v_ag gathered again (FP8); per step the contiguous halves of q, out (FP8 delayed, BF16 tensorwise), dO and the
-    # K/V slice; dq/dk/dv_per_step (BF16) of both steps to the end: dq halves (Q) and K/V slices of chunks r and
-    # 2 CP - r - 1 ((2 CP + 1) / 2 local K/V); delayed: the step's FP8 dq/dk/dv before .dequantize
+    # v_ag gathered again (FP8); dq/dk/dv_per_step (BF16) of both steps to the end: dq halves (Q) and K/V slices of
+    # chunks r and 2 CP - r - 1 ((2 CP + 1) / 2 local K/V); delayed: the step's FP8 dq/dk/dv before .dequantize. The
+    # halves of q, out, dO and the K/V slice are views (sbhd): no bytes
     held = 2 * Q + Q + 2 * Q + 2 * cp * KV
     collected = 2 * Q + 2 * (2 * cp + 1) * KV // 2
-    step = Q // 2 + cp * KV + (1 if delayed else 2) * Q // 2 + Q // 2 + ((Q // 2 + cp * KV) if delayed else 0)
+    step = (Q // 2 + cp * KV) if delayed else 0
     # at the end: index_select of dk, then dv (BF16, cp x TC rows: dk's gathered copy freed when replaced, so one
-    # more half of the accumulators), then reduce_scatter's TC-row outputs (2 KV bytes: less); the steps peak here
+    # more half of the accumulators), then reduce_scatter's TC-row outputs (2 KV bytes: less); delayed: the steps
+    # peak, tensorwise: the end
     end = cp * KV
-    assert step > end
+    assert (step > end) == delayed
     ag = held + cp * KV + collected + max(step, end)
     bf16_ring = 2 * Q + 3 * 2 * Q + 10 * KV + STATS                # attention.py _cp_attention_items' backward
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ag - bf16_ring, 0, 0]
     assert "fp8_attention_qkv" in f.bwd_steps[2][0] and "cp_kv_buffer" not in f.saved
+
+
+def test_all_gather_step_inputs_are_views():
+    # Why the FP8 all-gather path's per-step inputs cost no bytes: TE's own tensor operations replayed on CPU uint8
+    # tensors (FP8 data; Float8Tensor.make_like(x, data=y) only wraps y, context_parallel.py 3657-3662), at the
+    # layer's shape per rank (s/CP = TC tokens, b 1, a/t q heads, g/t KV heads, head dim D) in Megatron's sbhd.
+    # TE 2.20.2 utils.py combine_and_quantize, qkv_group 3 (3524): q, k, v are .view()s of consecutive spans of one
+    # flat FP8 buffer -> each contiguous; context_parallel.py AttnFuncWithCPAndKVAllGather.forward: q.view(2, s//2, ...)
+    # (3452), k.movedim(0, 0).contiguous() (3457), gather + index_select + .view(-1, ...) (3461-3480), per step
+    # q.select(0, i).contiguous() (3629) and x[start:end].movedim(0, 0).contiguous() for k_ag, v_ag (3647-3651);
+    # backward: the same, plus out.select / dout.select (4217-4232) of out_fp8._data / dO_quantizer(dout)._data
+    torch = pytest.importorskip("torch")
+    cp, b = 2, 1
+    flat = torch.zeros(TC * b * QKV_W, dtype=torch.uint8)
+    nq, nk = TC * b * A_T * D, TC * b * G_T * D
+    q = flat[:nq].view(TC, b, A_T, D)
+    k = flat[nq:nq + nk].view(TC, b, G_T, D)
+    k_local = k.movedim(0, 0).contiguous()
+    assert k_local.data_ptr() == k.data_ptr()                       # already sequence-first: no copy
+    q = q.view(2, TC // 2, b, A_T, D)
+    k_ag = torch.cat([k_local] * cp).view(2 * cp, TC // 2, b, G_T, D)   # stands for gather_along_first_dim
+    k_ag = torch.index_select(k_ag, 0, torch.tensor([0, 3, 1, 2])).view(-1, b, G_T, D)
+    # rank 0's steps: chunk 0 sees K/V chunk 0, chunk 2 CP - 1 the whole gathered K/V (causal, DualChunkSwap)
+    for i, (start, end) in enumerate([(0, TC // 2), (0, cp * TC)]):
+        q_part = q.select(0, i).contiguous()
+        k_part = k_ag[start:end].movedim(0, 0).contiguous()
+        assert q_part.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert k_part.untyped_storage().data_ptr() == k_ag.untyped_storage().data_ptr()
+        assert (q_part.nbytes, k_part.nbytes) == (Q // 2, (end - start) * b * G_T * D)
+    # the contrast the old count assumed: a slice along another dim (bshd, batch 2) is copied
+    kb = torch.zeros(2, TC, G_T, D, dtype=torch.uint8).movedim(1, 0).contiguous()
+    assert kb[:TC // 2].movedim(0, 1).contiguous().untyped_storage().data_ptr() != kb.untyped_storage().data_ptr()
 
 
 def test_all_gather_attention_with_core_attention_recompute():
@@ -458,7 +497,7 @@ def test_all_gather_attention_with_core_attention_recompute():
     cp = 2
     kept = (W + 512) + STATS + 2 * Q + (Q + 512)
     held = 2 * Q + Q + 2 * Q + 2 * cp * KV
-    ag = held + cp * KV + (2 * Q + (2 * cp + 1) * KV) + (Q // 2 + cp * KV + Q // 2 + Q // 2 + Q // 2 + cp * KV)
+    ag = held + cp * KV + (2 * Q + (2 * cp + 1) * KV) + (Q // 2 + cp * KV)   # the step's FP8 dq/dk/dv (views in)
     bf16 = (3 * 2 * Q + 10 * KV + STATS) + 2 * KV + STATS + 2 * 2 * Q   # attention_items' recompute step under CP
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, kept + ag - bf16, 0, 0]
 
@@ -1086,14 +1125,16 @@ def test_mxfp8_all_gather_working_sets_by_hand():
     f = fp8_attention(L, m)
     cp, wide = 2, 2 * TC                 # the widest step (rank 0's chunk 2 CP - 1) sees the whole gathered K/V
     # forward (3432-3481): nothing quantized up front; k, v gathered in BF16 and index_select'ed (k_ag, v_ag: cp x the
-    # local K/V, 2 x 2 KV bytes); a step (3629-3670): q.select(..).contiguous() (half of q, Q bytes), the K/V slice
-    # (a view: k_ag is sequence-first), their MXFP8 copies (used_in_forward only: q and k rowwise, v columnwise);
-    # out_per_step of both steps (2 Q) and out_f16 (2 Q, 3495) in BF16, TE >= 2.18's zeroed out (2 Q, 3513)
+    # local K/V, 2 x 2 KV bytes); a step (3629-3670): q.select(..).contiguous() and the K/V slice are views (backends.py
+    # 2531 made q contiguous before the CP function; dim-0 slices, test_all_gather_step_inputs_are_views), their
+    # MXFP8 copies (used_in_forward only: q and k rowwise, v columnwise); out_per_step of both steps (2 Q) and out_f16
+    # (2 Q, 3495) in BF16, TE >= 2.18's zeroed out (2 Q, 3513)
     fwd8 = Q // 2 + 2 * K * cp + _scales(TC // 2, A_T, 0) + _scales(wide, G_T, G_T)
     gathered = 2 * cp * KV
-    assert f.fwd_steps[0][1] == gathered + Q + fwd8 + 2 * Q + 2 * Q + 2 * Q
+    assert f.fwd_steps[0][1] == gathered + fwd8 + 2 * Q + 2 * Q + 2 * Q
     # backward (4035-4300): dO (BF16, not quantized up front), dq (torch.empty, BF16), dk / dv zeros of cp x TC rows
-    # (BF16), k_ag / v_ag gathered again (BF16); a step: contiguous halves of q, out, dO (3 x Q bytes), the MXFP8 q
+    # (BF16), k_ag / v_ag gathered again (BF16); a step: the halves of q, out, dO (views of contiguous tensors, 4217-
+    # 4232: no bytes), the MXFP8 q
     # and k both ways and v rowwise (used_in_backward only), dO both ways; every step's BF16 dq/dk/dv to the end (dq's
     # halves and the K/V of chunks r and 2 CP - r - 1: (2 CP + 1) / 2 local K/V)
     bwd8 = ((Q + 2 * K * cp + K * cp) + (TC // 2 * A_T + 2 * wide * G_T) * 4
@@ -1101,8 +1142,8 @@ def test_mxfp8_all_gather_working_sets_by_hand():
     do8 = Q + _scales(TC // 2, A_T, A_T)
     held = 2 * Q + 2 * Q + gathered
     collected = 2 * Q + 2 * (2 * cp + 1) * KV // 2
-    ag = held + gathered + collected + 3 * Q + bwd8 + do8
-    assert 3 * Q + bwd8 + do8 > gathered // 2          # the steps, not the end's reorder copy of dK
+    ag = held + gathered + collected + bwd8 + do8
+    assert bwd8 + do8 > gathered // 2                  # the steps, not the end's reorder copy of dK
     bf16_ring = 2 * Q + 3 * 2 * Q + 10 * KV + STATS      # attention.py _cp_attention_items' backward
     assert [b[1] - a[1] for a, b in zip(m.bwd_steps, f.bwd_steps)] == [0, ag - bf16_ring, 0, 0]
 

@@ -335,16 +335,20 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
 
     Forward working set: combine_and_quantize (BF16 concatenation and its FP8 copy), then K and V gathered over CP
     in FP8 (``gather_along_first_dim``, then ``index_select`` for the chunk order: ``cp x`` the local K/V, 1.5 times
-    that while the second copy is made), kept to the function's end; per step (two, on two streams) a contiguous
-    half of q and the K/V slice it sees (causal, DualChunkSwap: up to the whole gathered K/V on CP rank 0), both
-    steps' BF16 partial outputs (delayed: each first in FP8) and ``out_f16``; from TE 2.18 also a zeroed BF16 output
-    (``out = torch.zeros(o_shape)``, THD's accumulator, made for sbhd too: ``AG_OUT_ZEROS_SINCE``).
+    that while the second copy is made), kept to the function's end; per step (two, on two streams) both steps' BF16
+    partial outputs (delayed: each first in FP8) and ``out_f16``; from TE 2.18 also a zeroed BF16 output (``out =
+    torch.zeros(o_shape)``, THD's accumulator, made for sbhd too: ``AG_OUT_ZEROS_SINCE``). A step's half of q and
+    K/V slice cost nothing in Megatron's sbhd: ``q.select(0, i)`` of the ``[2, s/2, b, h, d]`` view and
+    ``k_ag[start:end]`` (``movedim(0, 0)``) are dim-0 slices of contiguous FP8 data, so ``.contiguous()`` returns
+    them as they are (TE 2.20.2 context_parallel.py 3629, 3647-3651; 2.15.0 3154, 3178) and ``Float8Tensor.make_like``
+    only wraps them (3657-3662).
 
     Backward working set: dO handed in (BF16) and its FP8 copy, BF16 dq and the gathered BF16 dK/dV accumulators
-    (``torch.zeros((k_shape[0] * cp_size, ...))``), K/V gathered again in FP8; per step the contiguous halves of q,
-    out, dO and the K/V slice, each step's BF16 dq/dk/dv kept in ``dq_per_step`` etc. to the end (delayed: FP8 first,
-    then dequantized); at the end the chunk reorder of dK/dV (``index_select``, one at a time) and their
-    reduce-scatter.
+    (``torch.zeros((k_shape[0] * cp_size, ...))``), K/V gathered again in FP8; per step each step's BF16 dq/dk/dv
+    kept in ``dq_per_step`` etc. to the end (delayed: FP8 first, then dequantized); at the end the chunk reorder of
+    dK/dV (``index_select``, one at a time) and their reduce-scatter. The halves of q, out, dO and the K/V slice are
+    views again (4217-4232: dim-0 selects of the saved FP8 q, ``out_fp8._data`` or the saved ``out_f16``, and
+    ``dO_quantizer(dout)._data``, all contiguous).
 
     MXFP8 (TE 2.20.2, ``fp8_recipe.mxfp8()``): nothing is quantized up front (3432-3437); K and V are gathered in
     BF16 and each step quantizes its own half of q and slice of the gathered K/V (``combine_and_quantize``, 3657-3670:
@@ -370,24 +374,24 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
     q, kv1 = Q * e, Tf * x.g_t * d * e
     rope = L.position_embedding_type in ("rope", "yarn")
     _, _, bf16_ring_bwd, _ = _cp_attention_items(L, x, {}, q, kv1, qkv_out_per_rank(L), rope)
-    ob = 1 if delayed else e                           # bytes per element of the saved output
     gathered = cp * KV                                 # k_ag, v_ag in FP8 (index_select'ed copies)
     gather_peak = gathered + gathered // 2             # the gathered v and its reordered copy next to k's
     step_kv = cp * KV                                  # the widest step's K/V slice (chunk 2 CP - 1)
-    # forward: the steps' inputs (q half, K/V slice), both BF16 partial outputs, out_f16 (delayed: a step's FP8 output
-    # before its dequantization), the statistics
+    # forward: both BF16 partial outputs, out_f16 (delayed: a step's FP8 output before its dequantization), the
+    # statistics; the steps' inputs (q half, K/V slice) are views of q and k_ag (sbhd: no copy)
     zeros = e * Q if te_at_least(L.env_dict, L.megatron_version, AG_OUT_ZEROS_SINCE) else 0   # TE >= 2.18: ``out``
-    fwd_steps = gathered + Q // 2 + step_kv + e * Q + e * Q + zeros + stats + (Q // 2 if delayed else 0)
+    fwd_steps = gathered + e * Q + e * Q + zeros + stats + (Q // 2 if delayed else 0)
     fwd_end = gathered + 2 * e * Q + zeros + stats + (out8 if delayed else 0)
     # backward: dO (BF16, FP8), dq (BF16) and the gathered dK/dV (BF16) held throughout
     held = e * Q + Q + e * Q + e * gathered
     # each step's BF16 dq/dk/dv collected to the end: dq's halves, and the two steps' K/V slices (chunks r and
     # 2 CP - r - 1: (2 CP + 1) / 2 local K/V together, every rank)
     collected = e * Q + e * (2 * cp + 1) * KV // 2
-    step_in = Q // 2 + step_kv + ob * Q // 2 + Q // 2   # contiguous halves of q, out, dO and the K/V slice
-    step_fp8 = (Q // 2 + step_kv) if delayed else 0    # delayed: the step's FP8 dq/dk/dv before dequantization
+    # the halves of q, out, dO and the K/V slice are views (sbhd: no copy); delayed: the step's FP8 dq/dk/dv before
+    # their dequantization
+    step_fp8 = (Q // 2 + step_kv) if delayed else 0
     ag_bwd = held + max(gather_peak,
-                        gathered + collected + step_in + step_fp8,
+                        gathered + collected + step_fp8,
                         # the end: dK's reordered copy (the gathered one freed), dV's next to its gathered one;
                         # reduce_scatter's outputs (e KV) are no more than half of that
                         gathered + collected + e * gathered // 2)
@@ -759,14 +763,16 @@ def mxfp8_all_gather(L: Layout, mixer: MixerActivations) -> MixerActivations:
 
     Forward working set: K and V gathered over CP in BF16 (``gather_along_first_dim``, then ``index_select`` for the
     chunk order: ``cp x`` the local K/V, 1.5 times that while the second copy is made), kept to the function's end;
-    at a step (3629-3670) the contiguous half of q and the MXFP8 copies of it and of the K/V slice the step sees (the
-    slice of the sequence-first gathered K/V is contiguous already: no copy; the widest, chunk 2 CP - 1, is the whole
-    gathered K/V), the BF16 partial outputs, ``out_f16`` and, from TE 2.18, the zeroed ``out``; the statistics.
+    at a step (3629-3670) the MXFP8 copies of its half of q and of the K/V slice it sees (both views, no BF16 copy:
+    FusedAttention.forward made q, k, v contiguous under CP, backends.py 2531, and ``q.select(0, i)`` / the slice of
+    the sequence-first gathered K/V are dim-0 slices; the widest, chunk 2 CP - 1, is the whole gathered K/V), the
+    BF16 partial outputs, ``out_f16`` and, from TE 2.18, the zeroed ``out``; the statistics.
 
     Backward working set (4035-4300): dO handed in (BF16), BF16 dq and the gathered BF16 dK/dV accumulators, K/V
-    gathered again in BF16; per step the contiguous halves of q, out and dO, their MXFP8 copies and the K/V slice's
-    (``used_in_backward`` only: q and k rowwise and columnwise, v rowwise; dO both ways, ``dO_quantizer``), each
-    step's BF16 dq/dk/dv kept to the end; at the end dK/dV's reorder copy and reduce-scatter."""
+    gathered again in BF16; per step the MXFP8 copies of the halves of q and dO and of the K/V slice (the halves of
+    q, out and dO are dim-0 views of contiguous tensors, 4217-4232: no BF16 copy; ``used_in_backward`` only: q and k
+    rowwise and columnwise, v rowwise; dO both ways, ``dO_quantizer``), each step's BF16 dq/dk/dv kept to the end;
+    at the end dK/dV's reorder copy and reduce-scatter."""
     from .attention import _cp_attention_items, qkv_out_per_rank
     saved = mixer.saved
     x = shapes(L)
@@ -787,15 +793,15 @@ def mxfp8_all_gather(L: Layout, mixer: MixerActivations) -> MixerActivations:
                                 (wide, x.g_t, d, True, False)))
     do8 = mxfp8_token_tensors(((half, x.a_t, d, True, True),))
     zeros = e * Q if te_at_least(L.env_dict, L.megatron_version, AG_OUT_ZEROS_SINCE) else 0   # TE >= 2.18: ``out``
-    # forward: a step's q half and MXFP8 copies, both BF16 partial outputs, out_f16 (the returned proj_input, not
-    # yet made); the end: the partial outputs and out_f16 (the statistics are the saved ones)
-    fwd_steps = gathered + e * Q // 2 + fwd8 + 2 * e * Q + zeros
+    # forward: a step's MXFP8 copies (its q half and K/V slice are views), both BF16 partial outputs, out_f16 (the
+    # returned proj_input, not yet made); the end: the partial outputs and out_f16 (the statistics are the saved ones)
+    fwd_steps = gathered + fwd8 + 2 * e * Q + zeros
     fwd_end = gathered + 2 * e * Q + zeros
     # backward: dO, dq (BF16) and the gathered dK/dV (BF16) held throughout; each step's BF16 dq/dk/dv collected
     # to the end (dq's halves and the two steps' K/V slices, chunks r and 2 CP - r - 1: (2 CP + 1) / 2 local K/V)
     held = e * Q + e * Q + gathered
     collected = e * Q + e * (2 * cp + 1) * KV // 2
-    step = 3 * e * Q // 2 + bwd8 + do8                 # contiguous halves of q, out, dO and the MXFP8 copies
+    step = bwd8 + do8                                  # the MXFP8 copies (the halves of q, out, dO: views)
     ag_bwd = held + max(gather_peak, gathered + collected + step, gathered + collected + gathered // 2)
     (names, _), *rest = mixer.fwd_steps
     if "softmax_stats" not in saved:
