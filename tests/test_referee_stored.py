@@ -61,6 +61,8 @@ def test_issue_13_ranks_match_to_a_tenth_of_a_percent(rows, config, ranks):
     # corners5 (2026-11-30): VPP without p2p overlap, groups of 6 over PP 4 (the first stage's queue of inputs and the
     # last stage's of output gradients received ahead), TP 2 with untied output weights at PP 1
     "vpp_pp4_v2_no_overlap", "vpp_pp4_group6_mb12", "untied_tp2",
+    # props8 (2026-11-30): the distributed optimizer over DP 3, a group that is not a power of two
+    "dp3_distopt_overlap",
 ])
 def test_layout_corners_match_to_a_quarter_percent(rows, config):
     """Each rank of the corner: parameters exact, the bytes after the step within 0.001% (the step counters and
@@ -71,6 +73,26 @@ def test_layout_corners_match_to_a_quarter_percent(rows, config):
         assert r.params_predicted == r.params_measured, (config, r.rank)
         assert abs(r.after_err) <= 1e-5, (config, r.rank, r.after_err)
         assert abs(r.peak_err) <= 0.0025, (config, r.rank, r.peak_measured, r.peak_predicted)
+
+
+def test_a_data_parallel_group_of_three_pads_its_bucket_to_lcm_3_128():
+    """dp3_distopt_overlap (props8, 2026-11-30, core 0.16.1): the 5,289,472 parameters (4 layers of h 256 and the tied
+    [8064, 256] embedding, every start a multiple of 64) fill one bucket whose end megatron-core pads to
+    lcm(DP, 128) = 384 elements (param_and_grad_buffer.py _pad_end_of_bucket_if_needed): 13,775 x 384 = 5,289,600,
+    the run's own DDP buffer. Each rank's slice is 5,289,600 / 3 = 1,763,200 elements; the last rank's ends in the
+    128 elements of padding, so it keeps 128 x (4 + 8) B less fp32 main weight and Adam moments than the others."""
+    from benchmarks.referee.grids.dense import resolve_config
+    from megatron_memguard.estimator.states import stage_states
+    with open(MEASURED) as fh:
+        entry = next(e for e in json.load(fh)["configs"] if e["name"] == "dp3_distopt_overlap")
+    L, _ = resolve_config(entry["flags"], entry["world_size"])
+    assert 13_775 * 384 == 5_289_600 and 5_289_600 - 5_289_472 == 128
+    assert {b["numel"] for r in entry["ranks"] for b in r["ddp_buffers"]} == {5_289_600}
+    assert stage_states(L, 0).buffer_numel == 5_289_600
+    assert [stage_states(L, 0, r).exp_avg_bytes // 4 for r in range(3)] == [1_763_200, 1_763_200, 1_763_072]
+    after = [r["live_bytes_after_step"] for r in entry["ranks"]]
+    # measured: the last rank 128 x 12 B = 1,536 B lower (and under 128 B of step scalars)
+    assert 0 <= after[1] - after[2] - 128 * 12 < 128
 
 
 def test_interleaved_ranks_match_to_three_hundredths_of_a_percent(rows):
