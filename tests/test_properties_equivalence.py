@@ -230,6 +230,28 @@ def test_recompute_orders_core_attn_under_gqa_and_rope_by_hand():
     assert kept_core - kept_none <= _repeat_rope_core_attn_excess(core) == 3 * 4096 - 8192
 
 
+def test_recompute_orders_core_attn_with_fewer_groups_than_tp_by_hand():
+    """The corner props8's sweep drew for the property above (seed 2026113001, 400 examples): the local spec, one
+    layer, h 64, 2 heads of d 32 in 1 key group, TP 2, s 16, b 1, fp32, rope. With fewer groups than TP ranks,
+    Attention all-gathers linear_qkv's output into the whole projection, (2 + 2 x 1) x 32 = 128 wide, and slices
+    its rank's group from it (get_query_key_value_tensors); the core attention, built for one group per rank, does
+    not repeat K and V for its one head (DotProductAttention.forward; megatron-core 0.16.1 and 0.19.2). Rope makes q
+    and k new (16 x 32 x 4 = 2,048 B each); v is a view of the gathered projection (16 x 128 x 4 = 8,192 B), kept by
+    the bmm with the fp32 probs [1, 1, 16, 16] (1,024 B), or by core_attn's checkpoint, which drops only the probs.
+    memguard counted K and V repeated (2,048 B each) and no projection: 7,168 B without recompute against 8,192 B
+    with it (the checkpoint's projection 4,096 B, the rank's own output). The CPU referee measured the same corner
+    at h 256 (mqa_h2_tp2_rope, tests/test_referee_stored.py)."""
+    spec = Spec(impl="local", tp=2, layers=1, heads=2, groups=1, kv_channels=32, hidden=64, ffn=16, seq=16, mbs=1,
+                vocab=8, precision="fp32", rope=True, bias=False)
+    none = layer_activations(layout(spec)).saved
+    core = layer_activations(layout(spec.with_(recompute=("selective", ("core_attn",))))).saved
+    for saved in (none, core):
+        assert (saved["qkv_output"], saved["query_rope"], saved["key_rope"]) == (8_192, 2_048, 2_048)
+        assert "key_repeated" not in saved and "value_repeated" not in saved
+    assert none["attention_probs"] == 1_024
+    assert {k: v for k, v in none.items() if k != "attention_probs"} == core
+
+
 ONE_FLASH_ROPE_LAYER = Spec(backend="flash", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16, mbs=1, vocab=8,
                             rope=True, bias=False)
 

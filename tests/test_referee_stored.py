@@ -95,6 +95,35 @@ def test_a_data_parallel_group_of_three_pads_its_bucket_to_lcm_3_128():
     assert 0 <= after[1] - after[2] - 128 * 12 < 128
 
 
+def test_fewer_key_groups_than_tp_ranks_keep_the_gathered_qkv_projection(rows):
+    """mqa_h2_tp2_rope(_recomp_core) (props8, 2026-11-30, core 0.16.1): h 256, 2 heads of d 128, 1 key group, TP 2,
+    rope, s 256 x b 2 = 512 tokens, bf16. With fewer groups than TP ranks, Attention all-gathers linear_qkv's output
+    (2 x 256 wide) into the whole projection, (2 + 2 x 1) x 128 = 512 wide, and slices its rank's group from it
+    (get_query_key_value_tensors); the core attention, built for one group per rank, repeats nothing for one head
+    (DotProductAttention.forward). Rope makes q and k new; v stays a view of the gathered projection, and the bmm with
+    the probs (or core_attn's checkpoint) keeps it: 512 x 512 x 2 = 524,288 B a layer besides q and k (131,072 B
+    each). memguard counted K and V repeated (131,072 B each) and no projection without recompute, and the rank's own
+    256-wide output under the checkpoint: 393,216 B and 262,144 B a layer low, x 4 layers 1,572,864 B (-3.53% of the
+    peak) and 1,048,576 B (-2.43%), the measured shortfall to the byte beside the loss forward's 29 KB of scalars;
+    now -0.064% and -0.066%."""
+    from benchmarks.referee.grids.dense import resolve_config
+    from megatron_memguard.estimator.activations import layer_activations
+    with open(MEASURED) as fh:
+        entries = {e["name"]: e for e in json.load(fh)["configs"]}
+    for name in ("mqa_h2_tp2_rope", "mqa_h2_tp2_rope_recomp_core"):
+        L, _ = resolve_config(entries[name]["flags"], 2)
+        saved = layer_activations(L).saved
+        assert saved["qkv_output"] == 512 * 512 * 2 == 524_288
+        assert saved["query_rope"] == saved["key_rope"] == 512 * 128 * 2
+        assert "key_repeated" not in saved and "value_repeated" not in saved
+        for rank in (0, 1):
+            r = rows[(name, rank)]
+            assert r.params_predicted == r.params_measured
+            # the step's scalars (464 B), and at the peak the loss forward's (test_the_loss_forwards_uncounted_bytes)
+            assert 0 <= r.after_measured - r.after_predicted < 512, (name, rank)
+            assert 0 < r.peak_measured - r.peak_predicted < 30_000, (name, rank)
+
+
 def test_interleaved_ranks_match_to_three_hundredths_of_a_percent(rows):
     """Every rank of every VPP configuration: the schedule's own activation-sized tensors at the peak's pass
     (schedule.p2p_tensors_at: idle chunks' input and gradient, the loop's last input gradient, the pair's forward

@@ -225,6 +225,15 @@ GRID: List[Dict[str, Any]] = [
     _cfg("mqa", 1, ["--group-query-attention", "--num-query-groups", "1"]),
     _cfg("gqa2_tp4_sp", 4, ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4",
                             "--sequence-parallel"], note="2 KV groups under TP 4: each group replicated on 2 ranks"),
+    # one query head per TP rank with fewer key groups than TP ranks (props8): Attention all-gathers the qkv
+    # projection and slices its rank's group; the core attention repeats nothing (heads / TP = 1)
+    _cfg("mqa_h2_tp2_rope", 2, ["--num-attention-heads", "2", "--group-query-attention", "--num-query-groups", "1",
+                                "--tensor-model-parallel-size", "2", "--position-embedding-type", "rope",
+                                "--vocab-size", "1000"]),
+    _cfg("mqa_h2_tp2_rope_recomp_core", 2, ["--num-attention-heads", "2", "--group-query-attention",
+                                            "--num-query-groups", "1", "--tensor-model-parallel-size", "2",
+                                            "--position-embedding-type", "rope", "--vocab-size", "1000",
+                                            "--recompute-granularity", "selective", "--recompute-modules", "core_attn"]),
     _cfg("mqa_tp2_sp", 2, ["--group-query-attention", "--num-query-groups", "1",
                            "--tensor-model-parallel-size", "2", "--sequence-parallel"],
          note="fewer KV groups than TP ranks"),
