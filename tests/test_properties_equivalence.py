@@ -13,7 +13,7 @@ from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
 from megatron_memguard.estimator.attention_backend import select
 from megatron_memguard.estimator.core import chunk_activations
-from megatron_memguard.estimator.layers.attention import attention_kind
+from megatron_memguard.estimator.layers.attention import attention_kind, qkv_kept_per_rank
 from megatron_memguard.estimator.params import chunk_numels
 from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, stage_states
 
@@ -193,9 +193,12 @@ def test_recompute_orders_what_a_layer_keeps(spec):
 
 
 def _repeat_rope_core_attn_excess(L) -> int:
-    """The bound 3 K - Q per layer (one rank's heads and key groups; a group replicated under TP > groups) of what
+    """The bound P + K - 2 Q per layer (one rank's heads and key groups; a group replicated under TP > groups) of what
     recomputing 'core_attn' keeps beyond no recompute where K and V are repeated for grouped queries and rope makes
-    q and k new tensors (the probs the checkpoint drops only lower it); 0 elsewhere."""
+    q and k new tensors (the probs the checkpoint drops only lower it); 0 elsewhere. P is the projection the
+    checkpoint's v is a view of: the rank's qkv output Q + 2 K (so 3 K - Q), or with fewer groups than TP ranks the
+    whole projection Attention all-gathers, (heads + 2 groups) x head dim per token (get_query_key_value_tensors;
+    layers/attention.py qkv_kept_per_rank)."""
     if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules
             and L.position_embedding_type == "rope"
             and (attention_kind(L).startswith("local") or select(L, None).selected == "unfused")):
@@ -205,7 +208,8 @@ def _repeat_rope_core_attn_excess(L) -> int:
     if groups >= heads:
         return 0
     q, k = tokens * heads * L.kv_channels * L.act_bytes, tokens * groups * L.kv_channels * L.act_bytes
-    return max(0, 3 * k - q)
+    p = tokens * qkv_kept_per_rank(L) * L.act_bytes
+    return max(0, p + k - 2 * q)
 
 
 ONE_GQA_ROPE_LAYER = Spec(impl="local", layers=1, heads=2, groups=1, kv_channels=64, hidden=128, ffn=8, seq=16, mbs=1,
@@ -250,6 +254,25 @@ def test_recompute_orders_core_attn_with_fewer_groups_than_tp_by_hand():
         assert "key_repeated" not in saved and "value_repeated" not in saved
     assert none["attention_probs"] == 1_024
     assert {k: v for k, v in none.items() if k != "attention_probs"} == core
+
+
+def test_recompute_orders_core_attn_with_a_group_over_four_ranks_by_hand():
+    """The corner the property above drew next (props8, seed 2026113001, 400 examples): the local spec, one layer,
+    h 64, 8 heads of d 8 in 1 key group over TP 4 (2 heads a rank), s 16, b 1, bf16, rope. Without recompute the
+    core attention repeats K and V to the rank's 2 heads: q, k and v 16 x 2 x 8 x 2 = 512 B each, and the bf16 probs
+    [1, 2, 16, 16] 1,024 B; the gathered projection is freed. Recomputing core_attn, the checkpoint keeps the rope'd q
+    (512 B) and k (256 B) and v, a view of the whole gathered projection, (8 + 2 x 1) x 8 = 80 wide: 2,560 B. So
+    768 B more per layer (12,032 -> 12,800 B), within P + K - 2 Q = 2,560 + 256 - 1,024 = 1,792 B."""
+    spec = Spec(impl="local", tp=4, layers=1, heads=8, groups=1, kv_channels=8, hidden=64, ffn=32, seq=16, mbs=1,
+                vocab=8, rope=True, bias=False)
+    none = layout(spec)
+    core = layout(spec.with_(recompute=("selective", ("core_attn",))))
+    a, b = layer_activations(none).saved, layer_activations(core).saved
+    assert (a["query"], a["key_repeated"], a["value_repeated"], a["attention_probs"]) == (512, 512, 512, 1_024)
+    assert (b["qkv_output"], b["query_rope"], b["key_rope"]) == (2_560, 512, 256)
+    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
+    assert (kept_none, kept_core) == (12_032, 12_800)
+    assert kept_core - kept_none <= _repeat_rope_core_attn_excess(core) == 1_792
 
 
 ONE_FLASH_ROPE_LAYER = Spec(backend="flash", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16, mbs=1, vocab=8,
