@@ -11,16 +11,15 @@ from hypothesis import HealthCheck, assume, given, reject, settings, strategies 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
-from megatron_memguard.estimator.attention_backend import select
 from megatron_memguard.estimator.core import chunk_activations
-from megatron_memguard.estimator.layers.attention import attention_kind, qkv_kept_per_rank
+from megatron_memguard.estimator.layers.attention import attention_kind
 from megatron_memguard.estimator.params import chunk_numels
 from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, stage_states
 
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, Spec, feature_specs, moe_specs, specs
 from property_spelling import _drop, _numbers, _read, bridge_run_config
-from test_properties import flash_rope_core_attn_excess
+from test_properties import flash_rope_core_attn_excess, repeat_core_attn_excess
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
@@ -172,7 +171,7 @@ def test_recompute_orders_what_a_layer_keeps(spec):
     attention repeats K and V for grouped queries (megatron-core's DotProductAttention, TE's unfused attention)
     with rope: the checkpoint's v is a view of the qkv projection (Q + 2 K), held whole with the rope'd q and k,
     where without it the repeated K and V (Q each) and the probs are kept and the projection is freed
-    (_repeat_rope_core_attn_excess; test_recompute_orders_core_attn_under_gqa_and_rope_by_hand)."""
+    (repeat_core_attn_excess; test_recompute_orders_core_attn_under_gqa_and_rope_by_hand)."""
     spec = spec.with_(distribute_saved=False, cp=1, seq=spec.seq // spec.cp, instances=1)
     none = layout(spec.with_(recompute=()))
     full = layout(spec.with_(recompute=("full", "uniform", 1)))
@@ -188,28 +187,8 @@ def test_recompute_orders_what_a_layer_keeps(spec):
         assert kept_full == cf.num_layers * (spec.seq * spec.mbs * spec.hidden * (
             4 if spec.fp32_residual or spec.precision == "fp32" else 2)) // split
         for L, c in zip(sels, cs):
-            excess = c.num_layers * (flash_rope_core_attn_excess(L) + _repeat_rope_core_attn_excess(L))
+            excess = c.num_layers * (flash_rope_core_attn_excess(L) + repeat_core_attn_excess(L))
             assert kept_full <= chunk_activations(L, c).layers <= kept_none + excess
-
-
-def _repeat_rope_core_attn_excess(L) -> int:
-    """The bound P + K - 2 Q per layer (one rank's heads and key groups; a group replicated under TP > groups) of what
-    recomputing 'core_attn' keeps beyond no recompute where K and V are repeated for grouped queries and rope makes
-    q and k new tensors (the probs the checkpoint drops only lower it); 0 elsewhere. P is the projection the
-    checkpoint's v is a view of: the rank's qkv output Q + 2 K (so 3 K - Q), or with fewer groups than TP ranks the
-    whole projection Attention all-gathers, (heads + 2 groups) x head dim per token (get_query_key_value_tensors;
-    layers/attention.py qkv_kept_per_rank)."""
-    if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules
-            and L.position_embedding_type == "rope"
-            and (attention_kind(L).startswith("local") or select(L, None).selected == "unfused")):
-        return 0
-    tokens = L.seq_length // L.cp * L.micro_batch_size
-    heads, groups = L.num_attention_heads // L.tp, max(1, L.num_query_groups // L.tp)
-    if groups >= heads:
-        return 0
-    q, k = tokens * heads * L.kv_channels * L.act_bytes, tokens * groups * L.kv_channels * L.act_bytes
-    p = tokens * qkv_kept_per_rank(L) * L.act_bytes
-    return max(0, p + k - 2 * q)
 
 
 ONE_GQA_ROPE_LAYER = Spec(impl="local", layers=1, heads=2, groups=1, kv_channels=64, hidden=128, ffn=8, seq=16, mbs=1,
@@ -231,7 +210,7 @@ def test_recompute_orders_core_attn_under_gqa_and_rope_by_hand():
     assert b["qkv_output"] + b["query_rope"] + b["key_rope"] == 16384 + 8192 + 4096
     kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
     assert (kept_none, kept_core) == (68864, 70912)
-    assert kept_core - kept_none <= _repeat_rope_core_attn_excess(core) == 3 * 4096 - 8192
+    assert kept_core - kept_none <= repeat_core_attn_excess(core) == 3 * 4096 - 8192
 
 
 def test_recompute_orders_core_attn_with_fewer_groups_than_tp_by_hand():
@@ -272,7 +251,25 @@ def test_recompute_orders_core_attn_with_a_group_over_four_ranks_by_hand():
     assert (b["qkv_output"], b["query_rope"], b["key_rope"]) == (2_560, 512, 256)
     kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
     assert (kept_none, kept_core) == (12_032, 12_800)
-    assert kept_core - kept_none <= _repeat_rope_core_attn_excess(core) == 1_792
+    assert kept_core - kept_none <= repeat_core_attn_excess(core) == 1_792
+
+
+def test_recompute_orders_core_attn_with_a_group_over_four_ranks_without_rope_by_hand():
+    """CI's derandomized draw of the property above, changed with its text (props8): the same layer as the test above
+    at h 128, d 16, without rope. Without recompute the core attention copies q (the reshape of a view, 16 x 2 x 16 x 2
+    = 1,024 B) and repeats K and V (1,024 B each), the bf16 probs 1,024 B. Recomputing core_attn, the checkpoint's q,
+    k and v are all views of the gathered projection, (8 + 2) x 16 = 160 wide: 5,120 B. So 1,024 B more
+    (22,272 -> 23,296 B), within P - 3 Q = 5,120 - 3,072 = 2,048 B."""
+    spec = Spec(impl="local", tp=4, layers=1, heads=8, groups=1, kv_channels=16, hidden=128, ffn=32, seq=16, mbs=1,
+                vocab=8, rope=False, bias=False)
+    none = layout(spec)
+    core = layout(spec.with_(recompute=("selective", ("core_attn",))))
+    a, b = layer_activations(none).saved, layer_activations(core).saved
+    assert (a["query"], a["key_repeated"], a["value_repeated"], a["attention_probs"]) == (1_024, 1_024, 1_024, 1_024)
+    assert b["qkv_output"] == 5_120 and "query" not in b
+    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
+    assert (kept_none, kept_core) == (22_272, 23_296)
+    assert kept_core - kept_none <= repeat_core_attn_excess(core) == 2_048
 
 
 ONE_FLASH_ROPE_LAYER = Spec(backend="flash", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16, mbs=1, vocab=8,
