@@ -235,6 +235,17 @@ def test_recompute_orders_core_attn_with_fewer_groups_than_tp_by_hand():
     assert {k: v for k, v in none.items() if k != "attention_probs"} == core
 
 
+def _one_group_over_four_ranks(kv_channels: int, hidden: int, rope: bool):
+    """One local layer, 8 heads in 1 key group over TP 4, s 16, b 1, bf16, without and with core_attn recompute:
+    (saved without, saved with, the chunk's layer bytes without and with, the property's excess bound)."""
+    spec = Spec(impl="local", tp=4, layers=1, heads=8, groups=1, kv_channels=kv_channels, hidden=hidden, ffn=32,
+                seq=16, mbs=1, vocab=8, rope=rope, bias=False)
+    none = layout(spec)
+    core = layout(spec.with_(recompute=("selective", ("core_attn",))))
+    kept = [chunk_activations(x, x.chunks[0]).layers for x in (none, core)]
+    return layer_activations(none).saved, layer_activations(core).saved, kept, repeat_core_attn_excess(core)
+
+
 def test_recompute_orders_core_attn_with_a_group_over_four_ranks_by_hand():
     """The corner the property above drew next (props8, seed 2026113001, 400 examples): the local spec, one layer,
     h 64, 8 heads of d 8 in 1 key group over TP 4 (2 heads a rank), s 16, b 1, bf16, rope. Without recompute the
@@ -242,16 +253,10 @@ def test_recompute_orders_core_attn_with_a_group_over_four_ranks_by_hand():
     [1, 2, 16, 16] 1,024 B; the gathered projection is freed. Recomputing core_attn, the checkpoint keeps the rope'd q
     (512 B) and k (256 B) and v, a view of the whole gathered projection, (8 + 2 x 1) x 8 = 80 wide: 2,560 B. So
     768 B more per layer (12,032 -> 12,800 B), within P + K - 2 Q = 2,560 + 256 - 1,024 = 1,792 B."""
-    spec = Spec(impl="local", tp=4, layers=1, heads=8, groups=1, kv_channels=8, hidden=64, ffn=32, seq=16, mbs=1,
-                vocab=8, rope=True, bias=False)
-    none = layout(spec)
-    core = layout(spec.with_(recompute=("selective", ("core_attn",))))
-    a, b = layer_activations(none).saved, layer_activations(core).saved
+    a, b, kept, excess = _one_group_over_four_ranks(8, 64, rope=True)
     assert (a["query"], a["key_repeated"], a["value_repeated"], a["attention_probs"]) == (512, 512, 512, 1_024)
     assert (b["qkv_output"], b["query_rope"], b["key_rope"]) == (2_560, 512, 256)
-    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
-    assert (kept_none, kept_core) == (12_032, 12_800)
-    assert kept_core - kept_none <= repeat_core_attn_excess(core) == 1_792
+    assert kept == [12_032, 12_800] and kept[1] - kept[0] <= excess == 1_792
 
 
 def test_recompute_orders_core_attn_with_a_group_over_four_ranks_without_rope_by_hand():
@@ -260,16 +265,10 @@ def test_recompute_orders_core_attn_with_a_group_over_four_ranks_without_rope_by
     = 1,024 B) and repeats K and V (1,024 B each), the bf16 probs 1,024 B. Recomputing core_attn, the checkpoint's q,
     k and v are all views of the gathered projection, (8 + 2) x 16 = 160 wide: 5,120 B. So 1,024 B more
     (22,272 -> 23,296 B), within P - 3 Q = 5,120 - 3,072 = 2,048 B."""
-    spec = Spec(impl="local", tp=4, layers=1, heads=8, groups=1, kv_channels=16, hidden=128, ffn=32, seq=16, mbs=1,
-                vocab=8, rope=False, bias=False)
-    none = layout(spec)
-    core = layout(spec.with_(recompute=("selective", ("core_attn",))))
-    a, b = layer_activations(none).saved, layer_activations(core).saved
+    a, b, kept, excess = _one_group_over_four_ranks(16, 128, rope=False)
     assert (a["query"], a["key_repeated"], a["value_repeated"], a["attention_probs"]) == (1_024, 1_024, 1_024, 1_024)
     assert b["qkv_output"] == 5_120 and "query" not in b
-    kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
-    assert (kept_none, kept_core) == (22_272, 23_296)
-    assert kept_core - kept_none <= repeat_core_attn_excess(core) == 2_048
+    assert kept == [22_272, 23_296] and kept[1] - kept[0] <= excess == 2_048
 
 
 ONE_FLASH_ROPE_LAYER = Spec(backend="flash", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16, mbs=1, vocab=8,
