@@ -54,12 +54,14 @@ def test_checkpointing_the_bottom_layer_keeps_the_embedding_gradient_peak():
 
 
 # A dense FP8 (tensorwise) job, TP 16, PP 2 with three layers on stage 0 (--decoder-last-pipeline-num-layers 1),
-# vocabulary 50257 padded to 51200 (a multiple of 128 x TP): the case the property drew
+# vocabulary 50257 padded to 51200 (a multiple of 128 x TP): the case the property drew, with 16 key groups (one a TP
+# rank) for its 1: with fewer groups than TP ranks each layer keeps the whole all-gathered qkv projection (props8,
+# layers/attention.py qkv_kept_per_rank), which moves stage 0's peak into a backward away from what this test checks
 DENSE = ("--transformer-impl transformer_engine --num-layers 4 --hidden-size 1792 --num-attention-heads 128 "
          "--kv-channels 64 --ffn-hidden-size 256 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 14 "
          "--global-batch-size 14 --tensor-model-parallel-size 16 --pipeline-model-parallel-size 2 "
          "--tokenizer-type NullTokenizer --vocab-size 50257 --hidden-dropout 0.0 --attention-dropout 0.0 --bf16 "
-         "--decoder-last-pipeline-num-layers 1 --group-query-attention --num-query-groups 1 "
+         "--decoder-last-pipeline-num-layers 1 --group-query-attention --num-query-groups 16 "
          "--position-embedding-type rope --disable-bias-linear --fp8-format hybrid --fp8-recipe tensorwise").split()
 
 

@@ -89,7 +89,8 @@ def _rank_params(L: Layout, m: MoeSpec, pp_rank: int = 0) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("name", ["moe_ep2_alltoall", "moe_ep2_allgather", "moe_ep2_shared", "moe_ep2_dense_first",
-                                  "moe_tp2_sp_ep2", "moe_tp2_sp_ep2_etp1", "moe_pp2_ep2", "moe_ep2_shared_gate"])
+                                  "moe_tp2_sp_ep2", "moe_tp2_sp_ep2_etp1", "moe_pp2_ep2", "moe_ep2_shared_gate",
+                                  "moe_ep2_etp2"])
 def test_parameters_per_rank_equal_the_referee(name):
     c = _referee()[name]
     L, m = _resolved(name)
@@ -106,6 +107,23 @@ def test_parameters_by_hand():
     L, m = _resolved("moe_ep2_alltoall")
     assert _rank_params(L, m) == (8_067_328, 3_145_728)
     assert _rank_params(*_resolved("moe_ep2_dense_first"))[0] == 7_771_392
+
+
+def test_an_expert_tp_larger_than_tp_by_hand():
+    """moe_ep2_etp2 (props8, 2026-11-30, core 0.16.1): TP 1, EP 2, ETP 2 on 4 ranks (expert DP 1, DP 4). Per layer
+    linear_qkv (8 + 2 x 4) x 32 x 256 = 131,072, linear_proj 65,536, two RMSNorms 512, the router [4, 256] 1,024, and
+    E / EP = 2 experts each split over ETP: fc1 [2 x 512 / 2, 256] 131,072 + fc2 [256, 512 / 2] 65,536: 591,360;
+    4 layers, the untied [8064, 256] embedding and output layer 4,128,768 and the final norm: 6,494,464, the referee's
+    count on each rank. The tokens each rank's experts see: its ETP group's T x k x ETP = 512 x 2 x 2 = 2,048 rows
+    balanced (the alltoall dispatcher gathers the ETP group's tokens, token_dispatcher.py), the measured layers
+    1,551-2,545 around it; the peak within 0.15% on every rank."""
+    L, m = _resolved("moe_ep2_etp2")
+    layer = 131_072 + 65_536 + 512 + 1_024 + 2 * (131_072 + 65_536)
+    assert layer == 591_360
+    assert _rank_params(L, m)[0] == 4 * layer + 2 * 8064 * 256 + 256 == 6_494_464
+    assert expert_rows(m, tokens_per_rank(L)).balanced == 2_048
+    rows = [rec["expert_input_rows"] for r in _referee()["moe_ep2_etp2"]["ranks"] for rec in r["routing"]]
+    assert min(rows) < 2_048 < max(rows) and sum(rows) / len(rows) == 2_048
 
 
 # ---- tokens ------------------------------------------------------------------------------------------

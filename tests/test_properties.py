@@ -17,7 +17,7 @@ from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import attention_kind
 from megatron_memguard.estimator.attention_backend import select
-from megatron_memguard.estimator.layers.attention import te_softmax_kernel
+from megatron_memguard.estimator.layers.attention import qkv_kept_per_rank, te_softmax_kernel
 from megatron_memguard.estimator.layers.base import shapes
 from megatron_memguard.estimator.params import total_parameters
 from megatron_memguard.estimator.result import GROUPS, LEVELS
@@ -337,29 +337,62 @@ def test_recomputation_does_not_raise_the_peak(spec, recompute):
             # the checkpoint's inputs (q, k, v: the whole qkv projection through its views, and the rope'd
             # q and k), the recomputed context and its gradient, and K repeated again under GQA
             gqa = Lr.num_query_groups < Lr.num_attention_heads
+            # (with fewer key groups than TP ranks the projection is the whole one Attention all-gathers)
             q = tokens * Lr.num_attention_heads // Lr.tp * Lr.kv_channels * Lr.act_bytes
-            qkv = tokens * (Lr.num_attention_heads + 2 * Lr.num_query_groups) * Lr.kv_channels // Lr.tp * Lr.act_bytes
-            rope_qk = (qkv - q) // 2 + q if Lr.position_embedding_type == "rope" else 0
+            k = tokens * max(1, Lr.num_query_groups // Lr.tp) * Lr.kv_channels * Lr.act_bytes
+            qkv = tokens * qkv_kept_per_rank(Lr) * Lr.act_bytes
+            rope_qk = q + k if Lr.position_embedding_type == "rope" else 0
             allowance += qkv + rope_qk + (3 if gqa else 2) * q
         if "mlp" in recompute[1]:
             allowance += 2 * tokens * Lr.hidden_size * Lr.act_bytes // (Lr.tp if Lr.sequence_parallel else 1)
-    per_layer = flash_rope_core_attn_excess(Lr)
+    per_layer = flash_rope_core_attn_excess(Lr) + repeat_core_attn_excess(Lr)
     for a, b in zip(estimate(Lb).stages, estimate(Lr).stages):
         held = b.in_flight * max(c.num_layers for c in b.chunks)
         assert b.peak_allocated_bytes <= a.peak_allocated_bytes + allowance + held * per_layer
 
 
 def flash_rope_core_attn_excess(L) -> int:
-    """What recomputing 'core_attn' keeps per layer beyond no recompute under TE's flash backend with rope at CP 1
-    (test_recomputation_does_not_raise_the_peak's docstring): K (one rank's key groups; megatron-core replicates a
-    group under TP > groups) minus the fp32 log-sum-exp [b, a/TP, s] flash-attn keeps (flash_attn_interface.py
-    _flash_attn_forward); 0 where that recompute is off or another backend runs."""
+    """What recomputing 'core_attn' keeps per layer beyond no recompute under TE's flash backend at CP 1
+    (test_recomputation_does_not_raise_the_peak's docstring): the checkpoint's q, k, v, views of a projection P (the
+    rope'd q and k new beside it), against flash-attn's contiguous copies of q, k, v, its output and the fp32
+    log-sum-exp [b, a/TP, s] (flash_attn_interface.py _flash_attn_forward): with rope K minus the log-sum-exp where P
+    is the rank's qkv output Q + 2 K; with fewer key groups than TP ranks P is the whole projection Attention
+    all-gathers, (heads + 2 groups) x head dim per token (get_query_key_value_tensors; layers/attention.py
+    qkv_kept_per_rank), so P + (Q + K with rope) - 2 Q - 2 K - log-sum-exp (one rank's key groups; megatron-core
+    replicates a group under TP > groups); 0 where that recompute is off or another backend runs."""
+    rope = L.position_embedding_type == "rope"
     if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules and L.cp == 1
-            and L.position_embedding_type == "rope" and select(L, None).selected == "flash"):
+            and (rope or L.num_query_groups < L.tp) and select(L, None).selected == "flash"):
         return 0
     tokens = L.seq_length // L.cp * L.micro_batch_size
-    k = tokens * max(1, L.num_query_groups // L.tp) * L.kv_channels * L.act_bytes
-    return max(0, k - L.micro_batch_size * L.num_attention_heads // L.tp * L.seq_length * 4)
+    e = L.act_bytes
+    q = tokens * L.num_attention_heads // L.tp * L.kv_channels * e
+    k = tokens * max(1, L.num_query_groups // L.tp) * L.kv_channels * e
+    p = tokens * qkv_kept_per_rank(L) * e
+    lse = L.micro_batch_size * L.num_attention_heads // L.tp * L.seq_length * 4
+    return max(0, p + (q + k if rope else 0) - 2 * q - 2 * k - lse)
+
+
+def repeat_core_attn_excess(L) -> int:
+    """The bound of what recomputing 'core_attn' keeps per layer beyond no recompute where K and V are repeated for
+    grouped queries (one rank's heads and key groups; a group replicated under TP > groups) and the checkpoint holds
+    them as views of a projection P without the repeat: P + K - 2 Q where rope makes q and k new tensors, P - 3 Q
+    without rope under replicated groups (q, k and v all views of P); the probs the checkpoint drops only lower it; 0
+    elsewhere. P is the rank's qkv output Q + 2 K (so 3 K - Q with rope), or with fewer groups than TP ranks the whole
+    projection Attention all-gathers, (heads + 2 groups) x head dim per token (get_query_key_value_tensors;
+    layers/attention.py qkv_kept_per_rank; CPU referee gqa2_tp4_sp_recomp_core)."""
+    rope = L.position_embedding_type == "rope"
+    replicated = L.num_query_groups < L.tp
+    if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules and (rope or replicated)
+            and (attention_kind(L).startswith("local") or select(L, None).selected == "unfused")):
+        return 0
+    tokens = L.seq_length // L.cp * L.micro_batch_size
+    heads, groups = L.num_attention_heads // L.tp, max(1, L.num_query_groups // L.tp)
+    if groups >= heads:
+        return 0
+    q, k = tokens * heads * L.kv_channels * L.act_bytes, tokens * groups * L.kv_channels * L.act_bytes
+    p = tokens * qkv_kept_per_rank(L) * L.act_bytes
+    return max(0, p + k - 2 * q if rope else p - 3 * q)
 
 
 FLASH_ROPE = Spec(backend="flash", pp=3, layers=9, vpp=3, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16,

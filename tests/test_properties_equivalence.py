@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, assume, given, reject, settings, strategies 
 from megatron_memguard import estimate, layout_from_flags
 from megatron_memguard.errors import ConfigError, ConfigErrors, NotModelledError
 from megatron_memguard.estimator.activations import layer_activations
-from megatron_memguard.estimator.attention_backend import select
 from megatron_memguard.estimator.core import chunk_activations
 from megatron_memguard.estimator.layers.attention import attention_kind
 from megatron_memguard.estimator.params import chunk_numels
@@ -20,7 +19,7 @@ from megatron_memguard.estimator.states import _chunk_buffer, bucket_size_for, s
 from conftest import CONTAINER_ERA
 from property_space import FeatureSpec, Spec, feature_specs, moe_specs, specs
 from property_spelling import _drop, _numbers, _read, bridge_run_config
-from test_properties import flash_rope_core_attn_excess
+from test_properties import flash_rope_core_attn_excess, repeat_core_attn_excess
 
 EXAMPLES = int(os.environ.get("MEMGUARD_PROPERTY_EXAMPLES", "200"))
 PROPERTY = settings(derandomize=True, database=None, deadline=None, max_examples=max(1, EXAMPLES // 4),
@@ -172,7 +171,7 @@ def test_recompute_orders_what_a_layer_keeps(spec):
     attention repeats K and V for grouped queries (megatron-core's DotProductAttention, TE's unfused attention)
     with rope: the checkpoint's v is a view of the qkv projection (Q + 2 K), held whole with the rope'd q and k,
     where without it the repeated K and V (Q each) and the probs are kept and the projection is freed
-    (_repeat_rope_core_attn_excess; test_recompute_orders_core_attn_under_gqa_and_rope_by_hand)."""
+    (repeat_core_attn_excess; test_recompute_orders_core_attn_under_gqa_and_rope_by_hand)."""
     spec = spec.with_(distribute_saved=False, cp=1, seq=spec.seq // spec.cp, instances=1)
     none = layout(spec.with_(recompute=()))
     full = layout(spec.with_(recompute=("full", "uniform", 1)))
@@ -188,24 +187,8 @@ def test_recompute_orders_what_a_layer_keeps(spec):
         assert kept_full == cf.num_layers * (spec.seq * spec.mbs * spec.hidden * (
             4 if spec.fp32_residual or spec.precision == "fp32" else 2)) // split
         for L, c in zip(sels, cs):
-            excess = c.num_layers * (flash_rope_core_attn_excess(L) + _repeat_rope_core_attn_excess(L))
+            excess = c.num_layers * (flash_rope_core_attn_excess(L) + repeat_core_attn_excess(L))
             assert kept_full <= chunk_activations(L, c).layers <= kept_none + excess
-
-
-def _repeat_rope_core_attn_excess(L) -> int:
-    """The bound 3 K - Q per layer (one rank's heads and key groups; a group replicated under TP > groups) of what
-    recomputing 'core_attn' keeps beyond no recompute where K and V are repeated for grouped queries and rope makes
-    q and k new tensors (the probs the checkpoint drops only lower it); 0 elsewhere."""
-    if not (L.recompute_granularity == "selective" and "core_attn" in L.recompute_modules
-            and L.position_embedding_type == "rope"
-            and (attention_kind(L).startswith("local") or select(L, None).selected == "unfused")):
-        return 0
-    tokens = L.seq_length // L.cp * L.micro_batch_size
-    heads, groups = L.num_attention_heads // L.tp, max(1, L.num_query_groups // L.tp)
-    if groups >= heads:
-        return 0
-    q, k = tokens * heads * L.kv_channels * L.act_bytes, tokens * groups * L.kv_channels * L.act_bytes
-    return max(0, 3 * k - q)
 
 
 ONE_GQA_ROPE_LAYER = Spec(impl="local", layers=1, heads=2, groups=1, kv_channels=64, hidden=128, ffn=8, seq=16, mbs=1,
@@ -227,7 +210,65 @@ def test_recompute_orders_core_attn_under_gqa_and_rope_by_hand():
     assert b["qkv_output"] + b["query_rope"] + b["key_rope"] == 16384 + 8192 + 4096
     kept_none, kept_core = (chunk_activations(x, x.chunks[0]).layers for x in (none, core))
     assert (kept_none, kept_core) == (68864, 70912)
-    assert kept_core - kept_none <= _repeat_rope_core_attn_excess(core) == 3 * 4096 - 8192
+    assert kept_core - kept_none <= repeat_core_attn_excess(core) == 3 * 4096 - 8192
+
+
+def test_recompute_orders_core_attn_with_fewer_groups_than_tp_by_hand():
+    """The corner props8's sweep drew for the property above (seed 2026113001, 400 examples): the local spec, one
+    layer, h 64, 2 heads of d 32 in 1 key group, TP 2, s 16, b 1, fp32, rope. With fewer groups than TP ranks,
+    Attention all-gathers linear_qkv's output into the whole projection, (2 + 2 x 1) x 32 = 128 wide, and slices
+    its rank's group from it (get_query_key_value_tensors); the core attention, built for one group per rank, does
+    not repeat K and V for its one head (DotProductAttention.forward; megatron-core 0.16.1 and 0.19.2). Rope makes q
+    and k new (16 x 32 x 4 = 2,048 B each); v is a view of the gathered projection (16 x 128 x 4 = 8,192 B), kept by
+    the bmm with the fp32 probs [1, 1, 16, 16] (1,024 B), or by core_attn's checkpoint, which drops only the probs.
+    memguard counted K and V repeated (2,048 B each) and no projection: 7,168 B without recompute against 8,192 B
+    with it (the checkpoint's projection 4,096 B, the rank's own output). The CPU referee measured the same corner
+    at h 256 (mqa_h2_tp2_rope, tests/test_referee_stored.py)."""
+    spec = Spec(impl="local", tp=2, layers=1, heads=2, groups=1, kv_channels=32, hidden=64, ffn=16, seq=16, mbs=1,
+                vocab=8, precision="fp32", rope=True, bias=False)
+    none = layer_activations(layout(spec)).saved
+    core = layer_activations(layout(spec.with_(recompute=("selective", ("core_attn",))))).saved
+    for saved in (none, core):
+        assert (saved["qkv_output"], saved["query_rope"], saved["key_rope"]) == (8_192, 2_048, 2_048)
+        assert "key_repeated" not in saved and "value_repeated" not in saved
+    assert none["attention_probs"] == 1_024
+    assert {k: v for k, v in none.items() if k != "attention_probs"} == core
+
+
+def _one_group_over_four_ranks(kv_channels: int, hidden: int, rope: bool):
+    """One local layer, 8 heads in 1 key group over TP 4, s 16, b 1, bf16, without and with core_attn recompute:
+    (saved without, saved with, the chunk's layer bytes without and with, the property's excess bound)."""
+    spec = Spec(impl="local", tp=4, layers=1, heads=8, groups=1, kv_channels=kv_channels, hidden=hidden, ffn=32,
+                seq=16, mbs=1, vocab=8, rope=rope, bias=False)
+    none = layout(spec)
+    core = layout(spec.with_(recompute=("selective", ("core_attn",))))
+    kept = [chunk_activations(x, x.chunks[0]).layers for x in (none, core)]
+    return layer_activations(none).saved, layer_activations(core).saved, kept, repeat_core_attn_excess(core)
+
+
+def test_recompute_orders_core_attn_with_a_group_over_four_ranks_by_hand():
+    """The corner the property above drew next (props8, seed 2026113001, 400 examples): the local spec, one layer,
+    h 64, 8 heads of d 8 in 1 key group over TP 4 (2 heads a rank), s 16, b 1, bf16, rope. Without recompute the
+    core attention repeats K and V to the rank's 2 heads: q, k and v 16 x 2 x 8 x 2 = 512 B each, and the bf16 probs
+    [1, 2, 16, 16] 1,024 B; the gathered projection is freed. Recomputing core_attn, the checkpoint keeps the rope'd q
+    (512 B) and k (256 B) and v, a view of the whole gathered projection, (8 + 2 x 1) x 8 = 80 wide: 2,560 B. So
+    768 B more per layer (12,032 -> 12,800 B), within P + K - 2 Q = 2,560 + 256 - 1,024 = 1,792 B."""
+    a, b, kept, excess = _one_group_over_four_ranks(8, 64, rope=True)
+    assert (a["query"], a["key_repeated"], a["value_repeated"], a["attention_probs"]) == (512, 512, 512, 1_024)
+    assert (b["qkv_output"], b["query_rope"], b["key_rope"]) == (2_560, 512, 256)
+    assert kept == [12_032, 12_800] and kept[1] - kept[0] <= excess == 1_792
+
+
+def test_recompute_orders_core_attn_with_a_group_over_four_ranks_without_rope_by_hand():
+    """CI's derandomized draw of the property above, changed with its text (props8): the same layer as the test above
+    at h 128, d 16, without rope. Without recompute the core attention copies q (the reshape of a view, 16 x 2 x 16 x 2
+    = 1,024 B) and repeats K and V (1,024 B each), the bf16 probs 1,024 B. Recomputing core_attn, the checkpoint's q,
+    k and v are all views of the gathered projection, (8 + 2) x 16 = 160 wide: 5,120 B. So 1,024 B more
+    (22,272 -> 23,296 B), within P - 3 Q = 5,120 - 3,072 = 2,048 B."""
+    a, b, kept, excess = _one_group_over_four_ranks(16, 128, rope=False)
+    assert (a["query"], a["key_repeated"], a["value_repeated"], a["attention_probs"]) == (1_024, 1_024, 1_024, 1_024)
+    assert b["qkv_output"] == 5_120 and "query" not in b
+    assert kept == [22_272, 23_296] and kept[1] - kept[0] <= excess == 2_048
 
 
 ONE_FLASH_ROPE_LAYER = Spec(backend="flash", layers=1, heads=1, kv_channels=8, hidden=8, ffn=8, seq=16, mbs=1, vocab=8,

@@ -10,12 +10,12 @@ Adam moments must be exactly that pair of slices.
 """
 from __future__ import annotations
 
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from megatron_memguard.estimator.states import stage_states
 from megatron_memguard.layout import ShardGroup
 
-from test_properties_moe_identities import PROPERTY, Job, _layout, core, corner_jobs  # noqa: F401 (the fixture)
+from test_properties_moe_identities import EXAMPLES, PROPERTY, Job, _layout, core, corner_jobs  # noqa: F401 (the fixture)
 
 
 @PROPERTY
@@ -77,3 +77,24 @@ def test_an_untied_embedding_with_mtp_has_its_own_bucket_on_the_first_stage():
             assert stage_states(with_mtp, 0, r).main_param_bytes == 4 * 43_570
         assert stage_states(without, 0, 0).main_param_bytes == 4 * 43_364
         assert stage_states(with_mtp, 0).buffer_numel == stage_states(without, 0).buffer_numel == 87_552
+
+
+@st.composite
+def odd_dp_jobs(draw) -> Job:
+    """A corner job with its data-parallel size times 3, 5 or 6 (the global batch with it): data-parallel and
+    expert-data-parallel groups that are not powers of two, where a bucket's end is padded to lcm(DP, 128) and
+    not to 128 (param_and_grad_buffer.py _pad_end_of_bucket_if_needed, 0.16.1 / 0.19.2)."""
+    job = draw(corner_jobs())
+    k = draw(st.sampled_from([3, 5, 6]))
+    flags = list(job.flags)
+    i = flags.index("--global-batch-size") + 1
+    flags[i] = str(k * int(flags[i]))
+    return Job(flags=tuple(flags), world=k * job.world, core=job.core)
+
+
+@settings(PROPERTY, max_examples=max(1, EXAMPLES // 20))      # (half the property above's: the same build)
+@given(odd_dp_jobs(), st.booleans())
+def test_optimizer_shards_over_groups_not_powers_of_two_are_megatron_cores(core, job, overlap):  # noqa: F811
+    """The property above over DP x CP and expert-DP groups of 3, 5, 6, 10, 12, ... ranks: each bucket padded to
+    lcm(group, 128) elements, each rank's slice a 1 / group of it, as megatron-core's own buffers."""
+    test_every_dp_and_expert_dp_ranks_optimizer_shard_is_megatron_cores.hypothesis.inner_test(core, job, overlap)

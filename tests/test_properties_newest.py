@@ -411,16 +411,33 @@ def test_twice_the_tensor_parallelism_with_sp_never_raises_a_stage_peak(fs):
     optimizer shard per rank is the same or half (P / (TP DP) for the distributed optimizer's), every saved
     tensor of a layer is divided by TP (SP) or kept whole, the vocabulary per rank shrinks (padded to a multiple of
     128 x TP, ceil(V / 128 TP) x 128 is non-increasing), and the SP all-gather buffer is [s b, h] whatever TP:
-    no stage's allocated peak grows (dense, MoE with ETP 1, FP8, MTP, offloading, CUDA graphs, Megatron-FSDP)."""
+    no stage's allocated peak grows (dense, MoE with ETP 1, FP8, MTP, offloading, CUDA graphs, Megatron-FSDP). Not
+    where the doubled TP exceeds the key groups: Attention then all-gathers the whole qkv projection and q, k, v are
+    views of it (get_query_key_value_tensors), TP times the rank's own output
+    (test_twice_the_tensor_parallelism_past_the_key_groups_gathers_the_projection_by_hand)."""
     s = fs.base
     t2, g = 2 * s.tp, s.groups or s.heads
-    if s.dp % 2 or s.heads % t2 or (g % t2 and t2 % g) or s.ffn % t2 or (s.seq // s.cp) % t2 or (2 * g * s.kv_channels) % t2:
+    if s.dp % 2 or s.heads % t2 or g < t2 or g % t2 or s.ffn % t2 or (s.seq // s.cp) % t2 or (2 * g * s.kv_channels) % t2:
         reject()
     if fs.experts and (fs.etp != 1 or fs.shared_ffn % t2):
         reject()
     La, Lb = _both(fs.with_base(sp=s.tp > 1), fs.with_base(tp=t2, dp=s.dp // 2, sp=True))
     for sa, sb in zip(estimate(La).stages, estimate(Lb).stages):
         assert sb.peak_allocated_bytes <= sa.peak_allocated_bytes
+
+
+def test_twice_the_tensor_parallelism_past_the_key_groups_gathers_the_projection_by_hand():
+    """The case props8's sweep drew (seed 2026113001, 400 examples) for the property above: one layer, h 64, 16 heads
+    of d 8 in 8 key groups, s 64 x b 2 = 128 tokens, bf16, TE. At TP 8 each rank's q, k, v are views of its own
+    linear_qkv output, (16 + 2 x 8) x 8 / 8 = 32 wide: 128 x 32 x 2 = 8,192 B. At TP 16 the 8 groups are fewer than
+    the ranks: Attention all-gathers the whole projection, (16 + 16) x 8 = 256 wide, and slices its group from it
+    (get_query_key_value_tensors, megatron-core 0.16.1 / 0.19.2): 65,536 B kept through the views."""
+    from megatron_memguard.estimator.activations import layer_activations
+    base = Spec(tp=8, dp=2, layers=1, heads=16, groups=8, kv_channels=8, hidden=64, ffn=64, seq=64, mbs=2, vocab=8)
+    L8 = layout_from_flags(base.with_(sp=True).flags(), world_size=16, megatron_version="0.19")
+    L16 = layout_from_flags(base.with_(tp=16, dp=1, sp=True).flags(), world_size=16, megatron_version="0.19")
+    assert layer_activations(L8).saved["qkv_output"] == 128 * 32 * 2 == 8_192
+    assert layer_activations(L16).saved["qkv_output"] == 128 * 256 * 2 == 65_536
 
 
 @QUARTER

@@ -98,6 +98,8 @@ MOE_GRID: List[Dict[str, Any]] = [
                                     "--expert-tensor-parallel-size", "1"],
          ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"],
          note="TP2+SP, EP2, ETP1: EDP 2"),
+    _moe("moe_ep2_etp2", 4, ["--moe-token-dispatcher-type", "alltoall", "--expert-tensor-parallel-size", "2"],
+         note="TP1, EP2, ETP2 > TP: expert grid 2x2, EDP 1, DP 4 (the tokens gathered over the ETP group)"),
     _moe("moe_tp2_sp_ep2_allgather", 4, [],
          ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"],
          note="allgather over the TPxEP group"),

@@ -21,6 +21,15 @@ def qkv_out_per_rank(L: Layout) -> int:
     return (_gated(L) * L.num_attention_heads + 2 * L.num_query_groups) * L.kv_channels // L.tp
 
 
+def qkv_kept_per_rank(L: Layout) -> int:
+    """Width of the tensor q, k and v are split from on one TP rank, which a kept view of any of them keeps whole:
+    linear_qkv's output, or with fewer query groups than TP ranks the whole projection, (heads + 2 groups) x head
+    dim, which Attention all-gathers from the TP ranks before it slices the rank's group
+    (get_query_key_value_tensors: all_gather_last_dim_from_tensor_parallel_region, a new contiguous tensor;
+    megatron-core 0.16.1 and 0.19.2)."""
+    return qkv_out_per_rank(L) * (L.tp if L.num_query_groups < L.tp else 1)
+
+
 def _gated(L: Layout) -> int:
     """2 with the output gate (a gate per query head next to the query), else 1."""
     return 2 if getattr(L, "attention_output_gate", False) else 1
@@ -235,9 +244,13 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
     and its backward working set (with the probs already released), and whether s x s scores exist."""
     kind = attention_kind(L)
     e, Tf, a_t, g_t, d = x.e, x.Tf, x.a_t, x.g_t, x.d
-    qkv_w = qkv_out_per_rank(L)
+    qkv_w = qkv_kept_per_rank(L)
     rope = L.position_embedding_type in ("rope", "yarn")
-    gqa = a_t > g_t or L.num_query_groups < L.tp
+    # K and V repeated to the rank's query heads: with fewer groups than TP ranks the core attention is built for
+    # one group per rank (Attention.__init__ gives it num_query_groups = TP), so one query head per rank repeats
+    # nothing (DotProductAttention.forward: repeat_interleave only where heads / groups > 1)
+    gqa = a_t > g_t
+    replicated = L.num_query_groups < L.tp
     q = Tf * a_t * d * e
     kv1 = Tf * g_t * d * e
     scores = x.b * a_t * x.s * x.s
@@ -289,7 +302,8 @@ def attention_items(L: Layout, x: Shapes, recompute_core: bool, has_batch_mask: 
         # tensor_parallel.checkpoint keeps its inputs: q (a copy under GQA or after rope), k and v
         # (views of the qkv output unless rope copied k) -> the qkv output stays alive through v.
         saved["qkv_output"] = Tf * qkv_w * e
-        if gqa and not rope:
+        if gqa and not rope and not replicated:
+            # (the replicated group's query is a view: its one group's heads reshaped, then sliced)
             saved["query"] = q
         if rope:
             saved["query_rope"] = q
@@ -404,7 +418,7 @@ def activations(L: Layout, mods: set, has_batch_mask: bool, drop_norm: bool, aft
         # stays alive whole) with one query group or one head per group on the rank, a copy otherwise.
         # linear_proj keeps the gated product, a new tensor
         if x.g_t == 1 or x.a_t == x.g_t:
-            saved["qkv_output"] = Tf * qkv_w * e
+            saved["qkv_output"] = Tf * qkv_kept_per_rank(L) * e
         else:
             saved["output_gate"] = ctx
         saved["gate_attention_output"] = ctx
