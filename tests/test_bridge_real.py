@@ -382,7 +382,9 @@ def test_run_config_yaml_dump_gives_the_containers_moe_fields(recipes, tmp_path,
 
 def test_preflight_on_a_real_moe_recipe_is_memguard_estimate_of_the_recipe(recipes):
     """The pre-flight a Bridge launch script runs on the real DeepSeek-V2-Lite container gives the same
-    estimate as `memguard estimate --model deepseek_v2_lite --gpus 8`."""
+    estimate as `memguard estimate --model deepseek_v2_lite --gpus 8` run with the job's Transformer Engine
+    (MEMGUARD_TE_VERSION: inside a job the pre-flight reads `transformer_engine.__version__`, here the stand-in's)."""
+    from megatron_memguard._integration import installed_te_version, with_installed_te
     from megatron_memguard.bridge import preflight
     from megatron_memguard.estimator.core import estimate
     from megatron_memguard.gpus import lookup_gpu
@@ -391,7 +393,8 @@ def test_preflight_on_a_real_moe_recipe_is_memguard_estimate_of_the_recipe(recip
 
     result = preflight(recipes.deepseek_v2_lite_pretrain_config(), world_size=8, gpu="H100-80GB", mode="report",
                        emit=lambda s: None)
-    ours = estimate(resolve(read_model("deepseek_v2_lite"), world_size=8), gpu=lookup_gpu("H100-80GB"))
+    assert installed_te_version()          # (the stand-in's TE release: the attention kernel's choice follows it)
+    ours = estimate(resolve(with_installed_te(read_model("deepseek_v2_lite")), world_size=8), gpu=lookup_gpu("H100-80GB"))
     # the same document, but for the notes memguard adds when it knows the recipe by name (data/presets.yaml)
     theirs, ours_d = result.estimate.to_dict(), ours.to_dict()
     named = list(recipe_notes("deepseek_v2_lite"))
