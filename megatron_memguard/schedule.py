@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from itertools import compress
-from operator import mul, not_, sub
+from operator import mul, not_
 
 
 # One probe: (forward?, chunk, micro-batches held per chunk at that pass, the pass's ordinal among the
@@ -134,16 +134,14 @@ def _in_flight(warm: int, total: int, combined: bool = False) -> int:
     return warm + 1 if total > warm and not combined else warm
 
 
-@lru_cache(maxsize=8192)
-def _counts_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
-    """_counts as a tuple, cached: the pipeline tensors' probes ask for the same positions again and again."""
-    return tuple(_counts(a, vpp, m, group))
-
-
 def _left_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
     """The micro-batches each chunk still holds after the backwards of the first ``a`` positions: m less _counts(a),
-    reversed (backwards run the chunks last first), built by tuple repetition as _counts is (the first stage's
-    cool-down takes one per pass: a comprehension over the chunks made it cost about VPP**2)."""
+    reversed (backwards run the chunks last first)."""
+    return _expand(_held_runs(m * vpp, a, vpp, m, group))
+
+
+def _pieces(a: int, vpp: int, m: int, group: int) -> list[tuple[int, int]]:
+    """_counts(a) as its runs of equal values, (value, length), in chunk order (lengths may be 0)."""
     P = vpp * group
     full = (m // group) * P
     if a <= full:
@@ -152,13 +150,79 @@ def _left_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
     else:
         q = m - (m // group) * group
         if not q:
-            return (0,) * vpp
+            return [(m, vpp)]
         o = a - full
         base, size = m - q, q
     d, r = divmod(o, size)
     if d >= vpp:
-        return (m - base - size,) * vpp
-    return (m - base,) * (vpp - d - 1) + (m - base - r,) + (m - base - size,) * d
+        return [(base + size, vpp)]
+    return [(base + size, d), (base + r, 1), (base, vpp - d - 1)]
+
+
+def _count_of(a: int, vpp: int, m: int, group: int, c: int) -> int:
+    """_counts(a)[c] without building the list."""
+    P = vpp * group
+    full = (m // group) * P
+    if a <= full:
+        j, o = divmod(a, P)
+        base, size = j * group, group
+    else:
+        q = m - (m // group) * group
+        if not q:
+            return m
+        o = a - full
+        base, size = m - q, q
+    d, r = divmod(o, size)
+    if d >= vpp or c < d:
+        return base + size
+    return base + r if c == d else base
+
+
+def _held_runs(a: int, b: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
+    """The micro-batches each chunk holds after the forwards of the first ``a`` forward-table positions and the
+    backwards of the first ``b`` (_counts(a) less _counts(b) reversed), as runs of equal values flattened
+    (value, length, value, length, ...), adjacent runs of the same value merged: at most five runs whatever VPP, so
+    the sampled passes are compared, hashed and summed without VPP-long tuples (_expand gives the tuple)."""
+    fa = [x for x in _pieces(a, vpp, m, group) if x[1]]
+    fb = [x for x in reversed(_pieces(b, vpp, m, group)) if x[1]]
+    out: list[int] = []
+    i = j = 0
+    va, na = fa[0]
+    vb, nb = fb[0]
+    while True:
+        n = na if na < nb else nb
+        v = va - vb
+        if out and out[-2] == v:
+            out[-1] += n
+        else:
+            out += (v, n)
+        na -= n
+        nb -= n
+        if not na:
+            i += 1
+            if i == len(fa):
+                return tuple(out)
+            va, na = fa[i]
+        if not nb:
+            j += 1
+            vb, nb = fb[j]
+
+
+def _expand(runs: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-chunk tuple of _held_runs' runs."""
+    out: list[int] = []
+    for i in range(0, len(runs), 2):
+        out += [runs[i]] * runs[i + 1]
+    return tuple(out)
+
+
+def _run_at(runs: tuple[int, ...], c: int) -> int:
+    """Chunk c's value in _held_runs' runs."""
+    for i in range(1, len(runs), 2):
+        c -= runs[i]
+        if c < 0:
+            return runs[i - 1]
+    raise IndexError(c)
 
 
 def _table_position(vpp: int, m: int, group: int, chunk: int, nth: int) -> int:
@@ -199,6 +263,17 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
       with ``overlap_p2p_comm`` (Megatron's default under VPP), the next forward's input already received
       (pp_post_forward), unless the pair is the last steady one."""
     fwd, c, held, nth = probe
+    recv = receiving.__getitem__
+    n = len(receiving)
+    idle = sum([recv(ch) for ch, h in enumerate(held) if h == 0 and ch < n])
+    return _tensors_at(pp, vpp, m, group, pp_rank, fwd, c, nth, idle, held.__getitem__, receiving, overlap)
+
+
+def _tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, fwd: bool, c: int, nth: int, idle: int,
+                held_of, receiving: tuple[int, ...], overlap: bool) -> int:
+    """p2p_tensors_at of the pass (fwd, c, nth) given the inputs its idle chunks received (``idle``: the sum of
+    receiving over the chunks holding no micro-batch) and its held counts as a function of the chunk (``held_of``):
+    no VPP-long tuple needed."""
     warm, lw, cw, nw, yw = _lingering(pp, vpp, m, group, pp_rank, overlap)
     total = m * vpp
     steady = total - warm
@@ -231,7 +306,7 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
 
     def units(fwd: bool, k: int, section: int) -> int:
         # k: the steady pair (section 1), the backward position (2) or the forward position (0)
-        n = sum(2 * recv(ch) for ch, h in enumerate(held) if h == 0)
+        n = 2 * idle
         if section == 0:
             return n + queued(k + 1, k)
         if section == 1:
@@ -240,12 +315,12 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
             n += queued(warm + k + 1, warm + k + (overlap and not fwd and k < steady - 1))
         y = k                               # the pass's backward position (the pair's for a steady forward)
         lingering = cw >= 0 and yw < y and recv(cw) and not (
-            held[cw] == 0 and (m if section == 2 else _counts_t(k + warm + 1, vpp, m, group)[cw]) == nw)
+            held_of(cw) == 0 and (m if section == 2 else _count_of(k + warm + 1, vpp, m, group, cw)) == nw)
         if lingering:
             n += 2 * recv(cw)
         if y >= 1:
             p = bwd_chunk(y - 1)
-            if held[p] != 0 and not (lingering and y - 1 == yw):
+            if held_of(p) != 0 and not (lingering and y - 1 == yw):
                 n += recv(p)
         # output gradients received ahead: a steady forward's include its pair's (counted in the backward's
         # working set once that backward runs)
@@ -272,13 +347,12 @@ def steady_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, k: int, fwd
     warm = _warmup(pp, vpp, group, pp_rank, m)
     if not 0 <= k < m * vpp - warm:
         return None
-    after = _counts_t(k + warm + 1, vpp, m, group)
-    held = tuple(map(sub, after, _counts_t(k, vpp, m, group)[::-1]))
+    held = _expand(_held_runs(k + warm + 1, k, vpp, m, group))
     if fwd:
         cf = _chunk_at(vpp, m, group, k + warm)
-        return (True, cf, held, after[cf])
-    cb = vpp - 1 - _chunk_at(vpp, m, group, k)
-    return (False, cb, held, _counts_t(k, vpp, m, group)[::-1][cb] + 1)
+        return (True, cf, held, _count_of(k + warm + 1, vpp, m, group, cf))
+    c = _chunk_at(vpp, m, group, k)
+    return (False, vpp - 1 - c, held, _count_of(k, vpp, m, group, c) + 1)
 
 
 def steady_index(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: Probe) -> int:
@@ -308,7 +382,7 @@ def _grad_received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: i
     c = _chunk_at(vpp, m, group, x)         # the forward-table chunk of that position: backward chunk vpp - 1 - c
     if c == vpp - 1:                         # backward chunk 0 sends nothing back to this stage
         return -1
-    return _table_position(vpp, m, group, c + 1, _counts_t(x + 1, vpp, m, group)[c])
+    return _table_position(vpp, m, group, c + 1, _count_of(x + 1, vpp, m, group, c))
 
 
 @lru_cache(maxsize=1024)
@@ -322,7 +396,7 @@ def _lingering(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: boo
     if lw < 0:
         return warm, -1, -1, 0, total
     cw = _chunk_at(vpp, m, group, lw)
-    nw = _counts_t(lw + 1, vpp, m, group)[cw]
+    nw = _count_of(lw + 1, vpp, m, group, cw)
     return warm, lw, cw, nw, _table_position(vpp, m, group, vpp - 1 - cw, nw)
 
 
@@ -341,7 +415,7 @@ def _received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: int) -
     c = _chunk_at(vpp, m, group, s - pp + 1)
     if c == vpp - 1:
         return -1
-    return _table_position(vpp, m, group, c + 1, _counts_t(s - pp + 2, vpp, m, group)[c])
+    return _table_position(vpp, m, group, c + 1, _count_of(s - pp + 2, vpp, m, group, c))
 
 
 def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:
@@ -351,7 +425,7 @@ def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> i
     if x < 0:
         return -1
     c = _chunk_at(vpp, m, group, x)
-    return _table_position(vpp, m, group, vpp - 1 - c, _counts_t(x + 1, vpp, m, group)[c])
+    return _table_position(vpp, m, group, vpp - 1 - c, _count_of(x + 1, vpp, m, group, c))
 
 @lru_cache(maxsize=512)
 def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...],
@@ -374,7 +448,26 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                overlap: bool) -> tuple[tuple[Probe, int, int, int, int, int], ...]:
     """The interleaved (not combined) schedule's passes sampled for the pipeline's own tensors, in schedule order,
     each as (probe, section, k, a, l, c): section 0, a warm-up forward of table position k; 1, a pass of steady pair
-    k; 2, a cool-down backward of position k; a, l, c: its p2p_units_bound's terms.
+    k; 2, a cool-down backward of position k; a, l, c: its p2p_units_bound's terms. (_p2p_ranges gives them as
+    ranges, _sampled_pass one by one: p2p_peak reads them so.)"""
+    ctx = _sample_context(pp, vpp, m, group, pp_rank, overlap)
+    out = []
+    for section, k0, k1 in _p2p_ranges(pp, vpp, m, group, pp_rank, overlap):
+        for k in range(k0, k1):
+            if section == 1:
+                out.append(_sampled_pass(ctx, 1, k, True)[1:])
+                out.append(_sampled_pass(ctx, 1, k, False)[1:])
+            else:
+                out.append(_sampled_pass(ctx, section, k, not section)[1:])
+    return tuple([((p[0], p[1], _expand(p[2]), p[3]), *rest) for p, *rest in out])
+
+
+@lru_cache(maxsize=512)
+def _p2p_ranges(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[tuple[int, int, int], ...]:
+    """The passes p2p_passes samples, in schedule order, as ranges (section, k0, k1): the positions k0 .. k1 - 1 of a
+    section (0: warm-up forwards of table positions; 1: both passes of steady pairs; 2: cool-down backwards), every
+    one sampled and all of one chunk (section 1: one forward chunk and one backward chunk), so that along a range the
+    held counts move by one constant step and no chunk falls idle or starts: the held bytes are linear in k.
 
     Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
@@ -388,22 +481,48 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     P = vpp * group
     full = (m // group) * P
     yw = lingering_backward(pp, vpp, m, group, pp_rank) if overlap else -1
-    top = vpp - 1
-    made: dict[int, tuple] = {}             # steady pair -> (its chunks, held counts and ordinals)
-    out: dict[int, tuple] = {}              # pass ordinal -> (probe, section, k)
+    out: list[tuple[int, int, int]] = []
+    pairs: set[int] = set()                 # the steady pairs sampled
 
-    def near(k: int, n: int) -> set[int]:
-        return {j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}
+    def near(k: int, n: int) -> list[int]:
+        return sorted({j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n})
+
+    def spans(section: int, ks: list[int]) -> None:
+        # ascending positions of one run: their stretches of consecutive positions
+        start = prev = ks[0]
+        for k in ks[1:]:
+            if k != prev + 1:
+                out.append((section, start, prev + 1))
+                start = k
+            prev = k
+        out.append((section, start, prev + 1))
+
+    def steady_spans() -> None:
+        # the steady pairs sampled, split where a pair's forward or backward chunk changes (the copies a period on
+        # join other runs')
+        if not pairs:
+            return
+        ks = sorted(pairs)
+        pairs.clear()
+        start = prev = ks[0]
+        chunks = (_chunk_at(vpp, m, group, start + warm), _chunk_at(vpp, m, group, start))
+        for j in ks[1:]:
+            now = (_chunk_at(vpp, m, group, j + warm), _chunk_at(vpp, m, group, j))
+            if j != prev + 1 or now != chunks:
+                out.append((1, start, prev + 1))
+                start, chunks = j, now
+            prev = j
+        out.append((1, start, prev + 1))
 
     for section, k, n, _cf, _cb in _runs(pp, vpp, m, group, pp_rank):
         if section == 0:
             # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
-            for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
-                held = _counts_t(x + 1, vpp, m, group)
-                c = _chunk_at(vpp, m, group, x)
-                out[x] = ((True, c, held, held[c]), 0, x)
+            if pp_rank == 0 or n <= 2:
+                out.append((0, k, k + n))
+            else:
+                out += [(0, k, k + 1), (0, k + n - 1, k + n)]
         elif section == 1:
-            js = near(k, n)
+            js = set(near(k, n))
             # near the last (partial) group the first stage's queued receives change pass by pass: every pair there
             js.update(range(max(k, full - group - pp - warm), k + n))
             if pp_rank in (0, pp - 1):
@@ -422,72 +541,85 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                     for jj in (j + P, j + 2 * P) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
                         if jj < steady and jj + warm < full:
                             js.add(jj)
-            for j in sorted(js):            # steady_pass, both passes of the pair at once
-                prev = made.get(j - P) if j + warm < full else None
-                if prev is not None:
-                    # a period after a pair within the full groups: the same chunks and held counts, each chunk's
-                    # forwards and backwards ``group`` more (_counts)
-                    cf, cb, held, nf, nb = prev
-                    nf += group
-                    nb += group
-                else:
-                    after = _counts_t(j + warm + 1, vpp, m, group)
-                    before = _counts_t(j, vpp, m, group)[::-1]
-                    held = tuple(map(sub, after, before))
-                    cf = _chunk_at(vpp, m, group, j + warm)
-                    cb = top - _chunk_at(vpp, m, group, j)
-                    nf, nb = after[cf], before[cb] + 1
-                made[j] = (cf, cb, held, nf, nb)
-                out[warm + 2 * j] = ((True, cf, held, nf), 1, j)
-                out[warm + 2 * j + 1] = ((False, cb, held, nb), 1, j)
+            pairs |= js
         else:
-            for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
-                cb = vpp - 1 - _chunk_at(vpp, m, group, y)
-                held = _left_t(y, vpp, m, group)
-                out[warm + 2 * steady + (y - steady)] = ((False, cb, held, m - held[cb] + 1), 2, y)
-    # each pass's p2p_units_bound less its idle chunks' pairs, as a x max(receiving) + l x 2 x receiving[the warm-up's
-    # last input's chunk] + c: the terms of p2p_tensors_at, each at its largest (the pass's section and direction
-    # leave some out):
-    # - inputs queued: a later stage receives one, for the next position, only after a steady backward with
-    #   overlap_p2p_comm (the last steady one excepted); the first stage at most one per step of its window (group + 1);
-    # - the warm-up's last input only past its release (lingering_backward); the previous backward's gradient;
-    # - output gradients queued: an earlier stage than the last holds one before a steady forward (none before a
-    #   backward), the last stage at most one per step of its window (group + 1);
-    # - a steady backward's pair output.
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    cw, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)[2::2]
-    # (the first stage's receives and the last stage's gradient receives bring nothing in their first pp - 1 steps)
-    # (clamps to [0, group + 1] with conditionals: min/max calls cost more)
+            steady_spans()                  # (the steady pairs come before the cool-down)
+            if pp_rank in (0, pp - 1):
+                out.append((2, k, k + n))
+            else:
+                spans(2, near(k, n))
+    steady_spans()
+    return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def _sample_context(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple:
+    """What _sampled_pass reads of a schedule."""
+    warm, _, cw, _, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)
+    total = m * vpp
+    return pp, vpp, m, group, pp_rank == 0, pp_rank == pp - 1, warm, total - warm, total, overlap, cw, yl
+
+
+def _sampled_pass(ctx: tuple, section: int, k: int, fwd: bool) -> tuple:
+    """One pass of p2p_passes: (its ordinal in the schedule, probe with the held counts as _held_runs' runs, section,
+    k, a, l, c)."""
+    return (*_sampled_probe(ctx, section, k, fwd), section, k, *_bound_terms(ctx, section, k, fwd))
+
+
+def _sampled_probe(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, tuple]:
+    """(The ordinal in the schedule, the probe with the held counts as _held_runs' runs) of a p2p_passes pass."""
+    pp, vpp, m, group, first, last, warm, steady, total, overlap, cw, yl = ctx
+    if section == 0:
+        c = _chunk_at(vpp, m, group, k)
+        return k, (True, c, _held_runs(k + 1, 0, vpp, m, group), _count_of(k + 1, vpp, m, group, c))
+    if section == 2:
+        c = _chunk_at(vpp, m, group, k)
+        return warm + steady + k, (False, vpp - 1 - c, _held_runs(total, k, vpp, m, group),
+                                   _count_of(k, vpp, m, group, c) + 1)
+    held = _held_runs(k + warm + 1, k, vpp, m, group)
+    if fwd:
+        c = _chunk_at(vpp, m, group, k + warm)
+        return warm + 2 * k, (True, c, held, _count_of(k + warm + 1, vpp, m, group, c))
+    c = _chunk_at(vpp, m, group, k)
+    return warm + 2 * k + 1, (False, vpp - 1 - c, held, _count_of(k, vpp, m, group, c) + 1)
+
+
+def _bound_terms(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, int, int]:
+    """The a, l, c of a p2p_passes pass: its p2p_units_bound less its idle chunks' pairs is a x max(receiving) + l x 2
+    x receiving[the warm-up's last input's chunk] + c, the terms of p2p_tensors_at, each at its largest (the pass's
+    section and direction leave some out):
+    - inputs queued: a later stage receives one, for the next position, only after a steady backward with
+      overlap_p2p_comm (the last steady one excepted); the first stage at most one per step of its window (group + 1);
+    - the warm-up's last input only past its release (lingering_backward); the previous backward's gradient;
+    - output gradients queued: an earlier stage than the last holds one before a steady forward (none before a
+      backward), the last stage at most one per step of its window (group + 1);
+    - a steady backward's pair output.
+    (The first stage's receives and the last stage's gradient receives bring nothing in their first pp - 1 steps.)
+    Along a range of _p2p_ranges each term grows with k, but a steady backward's a at the last steady pair."""
+    pp, vpp, m, group, first, last, warm, steady, total, overlap, cw, yl = ctx
     g1 = group + 1
-    passes = []
-    add = passes.append
-    for x in sorted(out):
-        p, section, k = out[x]
-        if section == 0:
-            if first:
-                a = k - pp + 1
-                add((p, 0, k, 0 if a < 0 else g1 if a > g1 else a, 0, 0))
-            else:
-                add((p, 0, k, 0, 0, 0))
-            continue
-        bwd1 = section == 1 and not p[0]
-        # (overlap_p2p_comm's receive after a steady backward, the last steady one excepted)
-        q = 1 if bwd1 and overlap and k < steady - 1 else 0
+    if section == 0:
         if first:
-            if section == 1:
-                a = warm + k + q - pp + 1
-                a = 0 if a < 0 else g1 if a > g1 else a
-            else:
-                a = 0
+            a = k - pp + 1
+            return 0 if a < 0 else g1 if a > g1 else a, 0, 0
+        return 0, 0, 0
+    bwd1 = section == 1 and not fwd
+    # (overlap_p2p_comm's receive after a steady backward, the last steady one excepted)
+    q = 1 if bwd1 and overlap and k < steady - 1 else 0
+    if first:
+        if section == 1:
+            a = warm + k + q - pp + 1
+            a = 0 if a < 0 else g1 if a > g1 else a
         else:
-            a = q
-        if last:
-            c = k - pp + 1
-            c = 0 if c < 0 else g1 if c > g1 else c
-        else:
-            c = 0 if bwd1 or section == 2 else 1
-        add((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c + bwd1))
-    return tuple(passes)
+            a = 0
+    else:
+        a = q
+    if last:
+        c = k - pp + 1
+        c = 0 if c < 0 else g1 if c > g1 else c
+    else:
+        c = 0 if bwd1 or section == 2 else 1
+    return a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c + bwd1
 
 
 def p2p_units_bound(entry: tuple, receiving: tuple[int, ...], lingering_chunk: int) -> int:
@@ -497,31 +629,6 @@ def p2p_units_bound(entry: tuple, receiving: tuple[int, ...], lingering_chunk: i
     r = max(receiving, default=0)
     rl = 2 * receiving[lingering_chunk] if 0 <= lingering_chunk < len(receiving) else 0
     return 2 * sum([x for h, x in zip(p[2], receiving) if not h]) + a * r + l * rl + c
-
-
-@lru_cache(maxsize=512)
-def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[tuple, ...]:
-    """p2p_passes by direction, chunk and held counts (the same held bytes and transient): (forward?, chunk, held,
-    the first pass's index, the largest a, l and c of its passes' p2p_units_bound terms, its passes as
-    (index, a, l, c) in schedule order, the micro-batches held, the chunks holding none)."""
-    keys: dict = {}
-    get = keys.get
-    for i, ((fwd, c, held, _), _s, _k, a, l, c0) in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
-        key = (fwd, c, held)
-        got = get(key)
-        if got is None:
-            keys[key] = [fwd, c, held, i, a, l, c0, [(i, a, l, c0)]]
-            continue
-        # (conditionals: max() calls cost more)
-        if a > got[4]:
-            got[4] = a
-        if l > got[5]:
-            got[5] = l
-        if c0 > got[6]:
-            got[6] = c0
-        got[7].append((i, a, l, c0))
-    # (with each key its micro-batches held and chunks idle: p2p_peak's sums over the chunks alike)
-    return tuple([(*k[:7], tuple(k[7]), sum(k[2]), k[2].count(0)) for k in keys.values()])
 
 
 def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
@@ -750,55 +857,94 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     got = _steady_peak(pp, vpp, m, group, pp_rank, receiving, overlap, sizes, fwd_extra, bwd_extra, t)
     if got is not None:
         return got
-    passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
-    cw = _lingering(pp, vpp, m, group, pp_rank, overlap)[2]
+    ctx = _sample_context(pp, vpp, m, group, pp_rank, overlap)
+    cw = ctx[10]
     r = max(receiving, default=0)
     rl = 2 * receiving[cw] if 0 <= cw < len(receiving) else 0
+    if len(sizes) == vpp and len(receiving) == vpp:
+        # sum_c held_c x sizes[c] and the idle chunks' received inputs run by run of the held counts, from prefix
+        # sums (the same integers)
+        S = [0]
+        R = [0]
+        for x, y in zip(sizes, receiving):
+            S.append(S[-1] + x)
+            R.append(R[-1] + y)
+
+        def weigh(held: tuple[int, ...]) -> tuple[int, int]:
+            v = u = x = 0
+            for j in range(0, len(held), 2):
+                h, y = held[j], x + held[j + 1]
+                if h:
+                    v += h * (S[y] - S[x])
+                else:
+                    u += R[y] - R[x]
+                x = y
+            return v, u
+    else:
+        def weigh(held: tuple[int, ...]) -> tuple[int, int]:
+            held = _expand(held)
+            return sum(map(mul, held, sizes)), sum(compress(receiving, map(not_, held)))
+
+    # each range's passes of one direction bounded together: along a range the held bytes are linear in k and the
+    # idle chunks the same (_p2p_ranges), so their largest is at an end; the other terms at their largest there too
+    # (_bound_terms), unless a receiving count is negative: then taken pass by pass
+    monotone = r >= 0 and rl >= 0
     scored = []
     add = scored.append
-    keys = _p2p_keys(pp, vpp, m, group, pp_rank, overlap)
-    s0 = max(sizes, key=sizes.count, default=0)
-    ds = [(x, d - s0) for x, d in enumerate(sizes) if d != s0]
-    if len(sizes) == vpp and len(receiving) == vpp and len(ds) <= 4:
-        # sum_c held_c x sizes[c] as the most common size x the micro-batches held plus the other chunks' differences
-        # (the same integers; a pipeline's chunks are mostly alike), likewise the idle chunks' received inputs from
-        # their count
-        r0 = max(receiving, key=receiving.count)
-        dr = [(x, d - r0) for x, d in enumerate(receiving) if d != r0]
-        for fwd, c, held, i0, a, l, c0, members, n, idle in keys:
-            v = s0 * n + (fwd_extra[c] if fwd else bwd_extra[c])
-            for x, d in ds:
-                v += d * held[x]
-            if idle:                        # (p2p_units_bound's idle chunks' pairs, inline)
-                u = r0 * idle
-                for x, d in dr:
-                    if not held[x]:
-                        u += d
-                v_idle = v + t * 2 * u
+    linear = len(sizes) == vpp
+    for section, k0, k1 in _p2p_ranges(pp, vpp, m, group, pp_rank, overlap):
+        x0, p0 = _sampled_probe(ctx, section, k0, True)
+        v, u = weigh(p0[2])
+        top = v + t * 2 * u
+        if k1 - k0 > 1:
+            # the other end: a step adds a micro-batch of the forward chunk and releases one of the backward chunk
+            if not linear:
+                v, u = weigh(_sampled_probe(ctx, section, k1 - 1, True)[1][2])
+            elif section == 0:
+                v += (k1 - 1 - k0) * sizes[p0[1]]
             else:
-                v_idle = v
-            add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
-    else:
-        for fwd, c, held, i0, a, l, c0, members, _n, idle in keys:
-            v = sum(map(mul, held, sizes)) + (fwd_extra[c] if fwd else bwd_extra[c])
-            v_idle = v + t * 2 * sum(compress(receiving, map(not_, held))) if idle else v
-            add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
+                cb = vpp - 1 - _chunk_at(vpp, m, group, k0)
+                v += (k1 - 1 - k0) * ((sizes[p0[1]] if section == 1 else 0) - sizes[cb])
+            if v + t * 2 * u > top:
+                top = v + t * 2 * u
+        for fwd in ((True, False) if section == 1 else (not section,)):
+            if not fwd:
+                x0 += 1 if section == 1 else 0
+                c0 = vpp - 1 - _chunk_at(vpp, m, group, k0)
+            else:
+                c0 = p0[1]
+            if monotone:
+                a, l, c = _bound_terms(ctx, section, k1 - 1, fwd)
+                more = a * r + l * rl + c
+                if k1 - k0 > 1:
+                    a2, l2, c2 = _bound_terms(ctx, section, k1 - 2, fwd)
+                    more = (a if a > a2 else a2) * r + (l if l > l2 else l2) * rl + (c if c > c2 else c2)
+            else:
+                more = max([a * r + l * rl + c for a, l, c in
+                            (_bound_terms(ctx, section, k, fwd) for k in range(k0, k1))])
+            add((-(top + (fwd_extra if fwd else bwd_extra)[c0] + t * more), x0, section, k0, k1, fwd))
     scored.sort()
-    best, at, retained = -1, -1, 0
-    for bound, i0, v, v_idle, members in scored:
+    best, at, retained, probe = -1, -1, 0, None
+    for bound, x0, section, k0, k1, fwd in scored:
         # (sorted by bound, then schedule order: passes that can at most tie with an earlier best cannot win)
-        if -bound < best or (-bound == best and i0 > at):
+        if -bound < best or (-bound == best and x0 > at):
             break
-        for i, a, l, c0 in members:
-            b = v_idle + t * (a * r + l * rl + c0)
-            if b < best or (b == best and i > at):
+        for k in range(k0, k1):
+            x, p = _sampled_probe(ctx, section, k, fwd)
+            a, l, c = _bound_terms(ctx, section, k, fwd)
+            v, u = weigh(p[2])
+            v += (fwd_extra if fwd else bwd_extra)[p[1]]
+            b = v + t * (2 * u + a * r + l * rl + c)
+            if b < best or (b == best and x > at):
                 continue
-            u = t * p2p_tensors_at(pp, vpp, m, group, pp_rank, passes[i][0], receiving, overlap)
-            if v + u > best or (v + u == best and i < at):
-                best, at, retained = v + u, i, u
+            held = p[2]
+            units = t * _tensors_at(pp, vpp, m, group, pp_rank, fwd, p[1], p[3], u,
+                                    lambda ch: _run_at(held, ch), receiving, overlap)
+            if v + units > best or (v + units == best and x < at):
+                best, at, retained, probe = v + units, x, units, p
     if at < 0:
         return None
-    return best, retained, passes[at][0]
+    return best, retained, (probe[0], probe[1], _expand(probe[2]), probe[3])
 
 
 def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int, combined: bool = False) -> int:
@@ -806,7 +952,6 @@ def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int, combined
     return _in_flight(_warmup(pp, vpp, group, pp_rank, m, combined), m * vpp, combined)
 
 
-@lru_cache(maxsize=256)
 def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
                    combined: bool = False) -> tuple[tuple[Probe, int], ...]:
     """Every pass of one rank's interleaved schedule, in order, with the pipeline's own activation-sized tensors live
@@ -825,7 +970,35 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
       (overlap_p2p_comm), or it is deallocated after the step's send;
     - the backward's input (the local b_input_tensor) and its .grad live until the step returns, through its forward;
       the next input and output gradient are received after both passes.
-    Cost O(m x VPP x VPP) per rank (cached per schedule shape)."""
+    Each probe's held counts are a tuple per chunk: cost O(m x VPP x VPP) (walk_passes gives the passes without them)."""
+    held = [0] * vpp
+    out = []
+    for fwd, c, nth, u in walk_passes(pp, vpp, m, group, pp_rank, receiving, overlap, combined):
+        if fwd:
+            held[c] += 1
+            out.append(((True, c, tuple(held), nth), u))
+        else:
+            out.append(((False, c, tuple(held), nth), u))
+            held[c] -= 1
+    return tuple(out)
+
+
+def walk_held(walk: tuple[tuple[bool, int, int, int], ...], vpp: int, i: int) -> tuple[int, ...]:
+    """The held counts per chunk at pass ``i`` of walk_passes' passes (p2p_every_pass' probe's)."""
+    held = [0] * vpp
+    for fwd, c, _, _ in walk[:i]:
+        held[c] += 1 if fwd else -1
+    if walk[i][0]:
+        held[walk[i][1]] += 1
+    return tuple(held)
+
+
+@lru_cache(maxsize=256)
+def walk_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
+          combined: bool = False) -> tuple[tuple[bool, int, int, int], ...]:
+    """p2p_every_pass' passes as (forward?, chunk, ordinal, units), without the held counts: each pass's tensors
+    kept up to date as the walk goes (a chunk's TransformerBlock pair changes only at its own passes), so that the
+    cost is O(m x VPP) per rank (cached per schedule shape)."""
     total = m * vpp
     warm = _warmup(pp, vpp, group, pp_rank, m, combined)
     steady = total - warm
@@ -840,54 +1013,74 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
     top = vpp - 1
     # the forward position of backward position y's micro-batch: chunk top - chunk[y], ordinal nth[y]
     fpos = [_table_position(vpp, m, group, top - chunk[y], nth[y]) for y in range(total)]
+    fdone = [0] * vpp
 
     queue: set[int] = set()                 # forward positions received ahead, not yet forwarded
     block = [-1] * vpp                      # TransformerBlock.input_tensor per chunk (-1: the previous iteration's)
-    held = [0] * vpp
-    fdone = [0] * vpp
     bdone = [0] * vpp
     grads: set[int] = set()                 # backward positions whose output gradient is received, not yet used
     lg = wi = sl = -1                       # the loop's input gradient, the warm-up's last receive, the step's input
     out_alive = False
-    out: list[tuple[Probe, int]] = []
+    out: list[tuple[bool, int, int, int]] = []
     add = out.append
+    # the received inputs queued, and the chunks whose TransformerBlock pair (input and gradient) is live: a receiving
+    # chunk whose block input is the previous iteration's or done; both sums kept as they change
+    paired = [bool(r) for r in recv]
+    sums = [0, 2 * sum([r for r in recv if r])]
 
     def done(x: int) -> bool:
         return nth[x] <= bdone[chunk[x]]
 
+    def refresh(c: int) -> None:
+        x = block[c]
+        now = bool(recv[c]) and (x < 0 or nth[x] <= bdone[c])
+        if now != paired[c]:
+            paired[c] = now
+            sums[1] += 2 * recv[c] if now else -2 * recv[c]
+
+    def enqueue(x: int) -> None:
+        if x not in queue:
+            queue.add(x)
+            sums[0] += recv[chunk[x]]
+
+    def covered(x: int) -> bool:
+        # a position whose input and gradient a chunk's pair counts
+        c = chunk[x]
+        return paired[c] and block[c] == x
+
     def units(cur: int) -> int:
         # cur: the backward position of a backward pass (its output gradient is in its working set), -1 for a forward
-        u = sum([recv[chunk[x]] for x in queue])
-        covered = set()                     # positions whose input and gradient a chunk's pair counts
-        for c in range(vpp):
-            x = block[c]
-            if recv[c] and (x < 0 or done(x)):
-                u += 2 * recv[c]
-                covered.add(x)
+        u = sums[0] + sums[1]
         extra = set()                       # (kind, position) of the other references, each tensor once
-        if lg >= 0 and lg not in covered:
+        if lg >= 0 and not covered(lg):
             extra.add((1, lg))
         for x in (wi, sl):
-            if x >= 0 and x not in covered and done(x):
+            if x >= 0 and not covered(x) and done(x):
                 extra.add((0, x))
                 extra.add((1, x))
-        u += sum([recv[chunk[x]] for _, x in extra])
+        if extra:
+            u += sum([recv[chunk[x]] for _, x in extra])
         return u + out_alive + len(grads) - (cur in grads)
+
+    def set_block(c: int, x: int) -> None:
+        block[c] = x
+        refresh(c)
 
     def forward(x: int) -> None:
         c = chunk[x]
-        queue.discard(x)
-        held[c] += 1
+        if x in queue:
+            queue.discard(x)
+            sums[0] -= recv[c]
         fdone[c] += 1
         if recv[c]:
-            block[c] = x
-        add(((True, c, tuple(held), fdone[c]), units(-1)))
+            set_block(c, x)
+        add((True, c, fdone[c], units(-1)))
 
     def backward(y: int) -> int:
         b = top - chunk[y]
-        add(((False, b, tuple(held), bdone[b] + 1), units(y)))
-        held[b] -= 1
+        add((False, b, bdone[b] + 1, units(y)))
         bdone[b] += 1
+        refresh(b)
         grads.discard(y)
         return fpos[y] if recv[b] else -1
 
@@ -895,7 +1088,7 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
         forward(x)
         r = _received_for(pp, vpp, m, group, pp_rank, x)
         if r >= 0:
-            queue.add(r)
+            enqueue(r)
             if x == warm - 1 and steady > 0 and overlap:
                 wi = r
         if x == warm - 1 and steady > 0 and not last:
@@ -904,7 +1097,7 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
         x = warm + k
         if combined:
             if recv[chunk[x]]:
-                block[chunk[x]] = x         # set_input_tensor before the backward
+                set_block(chunk[x], x)      # set_input_tensor before the backward
             sl = backward(k)
             forward(x)
             lg, sl = sl, -1
@@ -916,14 +1109,14 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
             if overlap and k != steady - 1:
                 r = _received_for(pp, vpp, m, group, pp_rank, x)
                 if r >= 0:
-                    queue.add(r)
+                    enqueue(r)
             lg = backward(k)
             if not overlap or k == steady - 1:
                 out_alive = False
         if (combined or not overlap) and k != steady - 1:
             r = _received_for(pp, vpp, m, group, pp_rank, x)
             if r >= 0:
-                queue.add(r)
+                enqueue(r)
         g = _grad_received_for(pp, vpp, m, group, pp_rank, k)
         if g >= 0:
             grads.add(g)
@@ -940,9 +1133,32 @@ def p2p_walk_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving
                   t: int) -> tuple[int, int, Probe]:
     """The first pass of p2p_every_pass with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] +
     t x units: (that value, t x units, its probe)."""
-    best, retained, probe = -1, 0, None
-    for p, u in p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, combined):
-        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * u
-        if v > best or probe is None:
-            best, retained, probe = v, t * u, p
-    return best, retained, probe
+    walk = walk_passes(pp, vpp, m, group, pp_rank, receiving, overlap, combined)
+    best, retained, i, _ = walk_peak(walk, vpp, sizes, fwd_extra, bwd_extra, t)
+    fwd, c, nth, _ = walk[i]
+    return best, retained, (fwd, c, walk_held(walk, vpp, i), nth)
+
+
+def walk_peak(walk: tuple[tuple[bool, int, int, int], ...], vpp: int, sizes: tuple[int, ...],
+              fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...], t: int,
+              bwd_alone: tuple[int, ...] | None = None) -> tuple[int, int, int, bool]:
+    """The first of walk_passes' passes with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] + t x
+    units, the held bytes kept as the walk goes: (that value, t x units, its index, whether it is a backward that no
+    forward follows in the same step). With ``bwd_alone``, such backwards (the last pass, or one before a backward)
+    take it instead of ``bwd_extra``."""
+    sizes = tuple(sizes[:vpp]) + (0,) * (vpp - len(sizes))     # (chunks without a size hold nothing)
+    best, retained, at, solo = -1, 0, -1, False
+    h = 0
+    last = len(walk) - 1
+    for i, (fwd, c, _, u) in enumerate(walk):
+        if fwd:
+            h += sizes[c]
+            v = h + fwd_extra[c] + t * u
+            alone = False
+        else:
+            alone = bwd_alone is not None and (i == last or not walk[i + 1][0])
+            v = h + (bwd_alone if alone else bwd_extra)[c] + t * u
+            h -= sizes[c]
+        if v > best or at < 0:
+            best, retained, at, solo = v, t * u, i, alone
+    return best, retained, at, solo
