@@ -140,8 +140,8 @@ def _left_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
     return _expand(_held_runs(m * vpp, a, vpp, m, group))
 
 
-def _pieces(a: int, vpp: int, m: int, group: int) -> list[tuple[int, int]]:
-    """_counts(a) as its runs of equal values, (value, length), in chunk order (lengths may be 0)."""
+def _shape(a: int, vpp: int, m: int, group: int) -> tuple[int, int, int, int]:
+    """_counts(a) as (hi, d, mid, lo): hi at the chunks before d, mid at chunk d, lo after it (d = VPP: all hi)."""
     P = vpp * group
     full = (m // group) * P
     if a <= full:
@@ -150,13 +150,59 @@ def _pieces(a: int, vpp: int, m: int, group: int) -> list[tuple[int, int]]:
     else:
         q = m - (m // group) * group
         if not q:
-            return [(m, vpp)]
+            return m, vpp, 0, 0
         o = a - full
         base, size = m - q, q
     d, r = divmod(o, size)
     if d >= vpp:
-        return [(base + size, vpp)]
-    return [(base + size, d), (base + r, 1), (base, vpp - d - 1)]
+        return base + size, vpp, 0, 0
+    return base + size, d, base + r, base
+
+
+def _pieces(a: int, vpp: int, m: int, group: int) -> list[tuple[int, int]]:
+    """_counts(a) as its runs of equal values, (value, length), in chunk order (lengths may be 0)."""
+    hi, d, mid, lo = _shape(a, vpp, m, group)
+    if d == vpp:
+        return [(hi, vpp)]
+    return [(hi, d), (mid, 1), (lo, vpp - d - 1)]
+
+
+def _held_of(a: int, b: int, vpp: int, m: int, group: int):
+    """Chunk c's held count after the forwards of the first ``a`` table positions and the backwards of the first
+    ``b`` (_counts(a)[c] less _counts(b)[VPP - 1 - c]), as a function of c."""
+    ha, da, ma, la = _shape(a, vpp, m, group)
+    hb, db, mb, lb = _shape(b, vpp, m, group)
+    eb = vpp - 1 - db                       # (the backwards' chunk order is the forwards' reversed)
+
+    def of(c: int) -> int:
+        return (ha if c < da else ma if c == da else la) - (lb if c < eb else mb if c == eb else hb)
+    return of
+
+
+def _held_sums(a: int, b: int, vpp: int, m: int, group: int, S: list[int], R: list[int]) -> tuple[int, int]:
+    """For the held counts of _held_of(a, b): (sum_c held_c x sizes[c], the sum of receiving over the chunks holding
+    none), from the prefix sums S of the sizes and R of the receiving counts, piece by piece (at most five)."""
+    ha, da, ma, la = _shape(a, vpp, m, group)
+    if not b:                               # (no backward yet: the forwards' pieces alone)
+        if da == vpp:
+            return ha * S[vpp], (R[vpp] if not ha else 0)
+        v = ha * S[da] + ma * (S[da + 1] - S[da]) + la * (S[vpp] - S[da + 1])
+        u = (0 if ha else R[da]) + (0 if ma else R[da + 1] - R[da]) + (0 if la else R[vpp] - R[da + 1])
+        return v, u
+    hb, db, mb, lb = _shape(b, vpp, m, group)
+    eb = vpp - 1 - db
+    v = u = x = 0
+    for y in sorted((da, da + 1, eb, eb + 1, vpp)):
+        if y > vpp:
+            y = vpp
+        if y > x:
+            h = (ha if x < da else ma if x == da else la) - (lb if x < eb else mb if x == eb else hb)
+            if h:
+                v += h * (S[y] - S[x])
+            else:
+                u += R[y] - R[x]
+            x = y
+    return v, u
 
 
 def _count_of(a: int, vpp: int, m: int, group: int, c: int) -> int:
@@ -452,8 +498,8 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     ranges, _sampled_pass one by one: p2p_peak reads them so.)"""
     ctx = _sample_context(pp, vpp, m, group, pp_rank, overlap)
     out = []
-    for section, k0, k1 in _p2p_ranges(pp, vpp, m, group, pp_rank, overlap):
-        for k in range(k0, k1):
+    for section, ks in _p2p_ranges(pp, vpp, m, group, pp_rank, overlap):
+        for k in ks:
             if section == 1:
                 out.append(_sampled_pass(ctx, 1, k, True)[1:])
                 out.append(_sampled_pass(ctx, 1, k, False)[1:])
@@ -463,11 +509,13 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
 
 
 @lru_cache(maxsize=512)
-def _p2p_ranges(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[tuple[int, int, int], ...]:
-    """The passes p2p_passes samples, in schedule order, as ranges (section, k0, k1): the positions k0 .. k1 - 1 of a
-    section (0: warm-up forwards of table positions; 1: both passes of steady pairs; 2: cool-down backwards), every
-    one sampled and all of one chunk (section 1: one forward chunk and one backward chunk), so that along a range the
-    held counts move by one constant step and no chunk falls idle or starts: the held bytes are linear in k.
+def _p2p_ranges(pp: int, vpp: int, m: int, group: int, pp_rank: int,
+                overlap: bool) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The passes p2p_passes samples, in schedule order, by stretch: (section, the positions sampled in ascending
+    order) of a section (0: warm-up forwards of table positions; 1: both passes of steady pairs; 2: cool-down
+    backwards) within a stretch of one chunk (section 1: one forward chunk and one backward chunk), so that between
+    its first and last position the held counts move by one constant step and no chunk falls idle or starts: the held
+    bytes are linear in the position.
 
     Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
@@ -480,47 +528,39 @@ def _p2p_ranges(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bo
     steady = total - warm
     P = vpp * group
     full = (m // group) * P
+    q = m - (m // group) * group
     yw = lingering_backward(pp, vpp, m, group, pp_rank) if overlap else -1
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[int, tuple[int, ...]]] = []
     pairs: set[int] = set()                 # the steady pairs sampled
 
-    def near(k: int, n: int) -> list[int]:
-        return sorted({j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n})
+    def near(k: int, n: int) -> tuple[int, ...]:
+        return tuple(sorted({j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}))
 
-    def spans(section: int, ks: list[int]) -> None:
-        # ascending positions of one run: their stretches of consecutive positions
-        start = prev = ks[0]
-        for k in ks[1:]:
-            if k != prev + 1:
-                out.append((section, start, prev + 1))
-                start = k
-            prev = k
-        out.append((section, start, prev + 1))
+    def starts(x: int) -> bool:
+        # a table position whose chunk is not its predecessor's: groups of ``group`` in the full groups, of the
+        # partial group's q after them
+        return x % group == 0 if x < full else (x - full) % q == 0
 
-    def steady_spans() -> None:
+    def steady_stretches() -> None:
         # the steady pairs sampled, split where a pair's forward or backward chunk changes (the copies a period on
         # join other runs')
         if not pairs:
             return
         ks = sorted(pairs)
         pairs.clear()
-        start = prev = ks[0]
-        chunks = (_chunk_at(vpp, m, group, start + warm), _chunk_at(vpp, m, group, start))
+        now = [ks[0]]
         for j in ks[1:]:
-            now = (_chunk_at(vpp, m, group, j + warm), _chunk_at(vpp, m, group, j))
-            if j != prev + 1 or now != chunks:
-                out.append((1, start, prev + 1))
-                start, chunks = j, now
-            prev = j
-        out.append((1, start, prev + 1))
+            if any(starts(x + warm) or starts(x) for x in range(now[-1] + 1, j + 1)):
+                out.append((1, tuple(now)))
+                now = [j]
+            else:
+                now.append(j)
+        out.append((1, tuple(now)))
 
     for section, k, n, _cf, _cb in _runs(pp, vpp, m, group, pp_rank):
         if section == 0:
             # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
-            if pp_rank == 0 or n <= 2:
-                out.append((0, k, k + n))
-            else:
-                out += [(0, k, k + 1), (0, k + n - 1, k + n)]
+            out.append((0, tuple(range(k, k + n)) if pp_rank == 0 or n <= 2 else (k, k + n - 1)))
         elif section == 1:
             js = set(near(k, n))
             # near the last (partial) group the first stage's queued receives change pass by pass: every pair there
@@ -543,12 +583,9 @@ def _p2p_ranges(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bo
                             js.add(jj)
             pairs |= js
         else:
-            steady_spans()                  # (the steady pairs come before the cool-down)
-            if pp_rank in (0, pp - 1):
-                out.append((2, k, k + n))
-            else:
-                spans(2, near(k, n))
-    steady_spans()
+            steady_stretches()              # (the steady pairs come before the cool-down)
+            out.append((2, tuple(range(k, k + n)) if pp_rank in (0, pp - 1) else near(k, n)))
+    steady_stretches()
     return tuple(out)
 
 
@@ -568,20 +605,25 @@ def _sampled_pass(ctx: tuple, section: int, k: int, fwd: bool) -> tuple:
 
 def _sampled_probe(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, tuple]:
     """(The ordinal in the schedule, the probe with the held counts as _held_runs' runs) of a p2p_passes pass."""
+    x, fwd, c, nth, a, b = _sampled_at(ctx, section, k, fwd)
+    return x, (fwd, c, _held_runs(a, b, ctx[1], ctx[2], ctx[3]), nth)
+
+
+def _sampled_at(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, bool, int, int, int, int]:
+    """A p2p_passes pass as (its ordinal in the schedule, forward?, chunk, ordinal among its chunk's passes of its
+    direction, a, b): it holds the micro-batches of the first ``a`` forwards less the first ``b`` backwards."""
     pp, vpp, m, group, first, last, warm, steady, total, overlap, cw, yl = ctx
     if section == 0:
         c = _chunk_at(vpp, m, group, k)
-        return k, (True, c, _held_runs(k + 1, 0, vpp, m, group), _count_of(k + 1, vpp, m, group, c))
+        return k, True, c, _count_of(k + 1, vpp, m, group, c), k + 1, 0
     if section == 2:
         c = _chunk_at(vpp, m, group, k)
-        return warm + steady + k, (False, vpp - 1 - c, _held_runs(total, k, vpp, m, group),
-                                   _count_of(k, vpp, m, group, c) + 1)
-    held = _held_runs(k + warm + 1, k, vpp, m, group)
+        return warm + steady + k, False, vpp - 1 - c, _count_of(k, vpp, m, group, c) + 1, total, k
     if fwd:
         c = _chunk_at(vpp, m, group, k + warm)
-        return warm + 2 * k, (True, c, held, _count_of(k + warm + 1, vpp, m, group, c))
+        return warm + 2 * k, True, c, _count_of(k + warm + 1, vpp, m, group, c), k + warm + 1, k
     c = _chunk_at(vpp, m, group, k)
-    return warm + 2 * k + 1, (False, vpp - 1 - c, held, _count_of(k, vpp, m, group, c) + 1)
+    return warm + 2 * k + 1, False, vpp - 1 - c, _count_of(k, vpp, m, group, c) + 1, k + warm + 1, k
 
 
 def _bound_terms(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, int, int]:
@@ -862,7 +904,7 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     r = max(receiving, default=0)
     rl = 2 * receiving[cw] if 0 <= cw < len(receiving) else 0
     if len(sizes) == vpp and len(receiving) == vpp:
-        # sum_c held_c x sizes[c] and the idle chunks' received inputs run by run of the held counts, from prefix
+        # sum_c held_c x sizes[c] and the idle chunks' received inputs piece by piece of the held counts, from prefix
         # sums (the same integers)
         S = [0]
         R = [0]
@@ -870,81 +912,74 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
             S.append(S[-1] + x)
             R.append(R[-1] + y)
 
-        def weigh(held: tuple[int, ...]) -> tuple[int, int]:
-            v = u = x = 0
-            for j in range(0, len(held), 2):
-                h, y = held[j], x + held[j + 1]
-                if h:
-                    v += h * (S[y] - S[x])
-                else:
-                    u += R[y] - R[x]
-                x = y
-            return v, u
+        def weigh(a: int, b: int) -> tuple[int, int]:
+            return _held_sums(a, b, vpp, m, group, S, R)
     else:
-        def weigh(held: tuple[int, ...]) -> tuple[int, int]:
-            held = _expand(held)
+        def weigh(a: int, b: int) -> tuple[int, int]:
+            held = _expand(_held_runs(a, b, vpp, m, group))
             return sum(map(mul, held, sizes)), sum(compress(receiving, map(not_, held)))
 
-    # each range's passes of one direction bounded together: along a range the held bytes are linear in k and the
+    # each stretch's passes of one direction bounded together: along a stretch the held bytes are linear in k and the
     # idle chunks the same (_p2p_ranges), so their largest is at an end; the other terms at their largest there too
-    # (_bound_terms), unless a receiving count is negative: then taken pass by pass
+    # (_bound_terms: at its last pass, at its last two for steady backwards), unless a receiving count is negative:
+    # then taken pass by pass
     monotone = r >= 0 and rl >= 0
+    linear = len(sizes) == vpp
     scored = []
     add = scored.append
-    linear = len(sizes) == vpp
-    for section, k0, k1 in _p2p_ranges(pp, vpp, m, group, pp_rank, overlap):
-        x0, p0 = _sampled_probe(ctx, section, k0, True)
-        v, u = weigh(p0[2])
+    for i, (section, ks) in enumerate(_p2p_ranges(pp, vpp, m, group, pp_rank, overlap)):
+        k0, k1 = ks[0], ks[-1]
+        x0, _, c0, _, a, b = _sampled_at(ctx, section, k0, True)
+        v, u = weigh(a, b)
         top = v + t * 2 * u
-        if k1 - k0 > 1:
+        if k1 > k0:
             # the other end: a step adds a micro-batch of the forward chunk and releases one of the backward chunk
             if not linear:
-                v, u = weigh(_sampled_probe(ctx, section, k1 - 1, True)[1][2])
+                v, u = weigh(*_sampled_at(ctx, section, k1, True)[4:])
             elif section == 0:
-                v += (k1 - 1 - k0) * sizes[p0[1]]
+                v += (k1 - k0) * sizes[c0]
             else:
                 cb = vpp - 1 - _chunk_at(vpp, m, group, k0)
-                v += (k1 - 1 - k0) * ((sizes[p0[1]] if section == 1 else 0) - sizes[cb])
+                v += (k1 - k0) * ((sizes[c0] if section == 1 else 0) - sizes[cb])
             if v + t * 2 * u > top:
                 top = v + t * 2 * u
         for fwd in ((True, False) if section == 1 else (not section,)):
-            if not fwd:
-                x0 += 1 if section == 1 else 0
+            if not fwd and section == 1:
+                x0 += 1
                 c0 = vpp - 1 - _chunk_at(vpp, m, group, k0)
-            else:
-                c0 = p0[1]
             if monotone:
-                a, l, c = _bound_terms(ctx, section, k1 - 1, fwd)
+                a, l, c = _bound_terms(ctx, section, k1, fwd)
                 more = a * r + l * rl + c
-                if k1 - k0 > 1:
-                    a2, l2, c2 = _bound_terms(ctx, section, k1 - 2, fwd)
+                if k1 > k0 and section == 1 and not fwd:
+                    a2, l2, c2 = _bound_terms(ctx, section, ks[-2], fwd)
                     more = (a if a > a2 else a2) * r + (l if l > l2 else l2) * rl + (c if c > c2 else c2)
             else:
-                more = max([a * r + l * rl + c for a, l, c in
-                            (_bound_terms(ctx, section, k, fwd) for k in range(k0, k1))])
-            add((-(top + (fwd_extra if fwd else bwd_extra)[c0] + t * more), x0, section, k0, k1, fwd))
+                more = max([a * r + l * rl + c for a, l, c in (_bound_terms(ctx, section, k, fwd) for k in ks)])
+            add((-(top + (fwd_extra if fwd else bwd_extra)[c0] + t * more), x0, i, fwd))
     scored.sort()
     best, at, retained, probe = -1, -1, 0, None
-    for bound, x0, section, k0, k1, fwd in scored:
+    ranges = _p2p_ranges(pp, vpp, m, group, pp_rank, overlap)
+    for bound, x0, i, fwd in scored:
         # (sorted by bound, then schedule order: passes that can at most tie with an earlier best cannot win)
         if -bound < best or (-bound == best and x0 > at):
             break
-        for k in range(k0, k1):
-            x, p = _sampled_probe(ctx, section, k, fwd)
-            a, l, c = _bound_terms(ctx, section, k, fwd)
-            v, u = weigh(p[2])
-            v += (fwd_extra if fwd else bwd_extra)[p[1]]
-            b = v + t * (2 * u + a * r + l * rl + c)
-            if b < best or (b == best and x > at):
+        section, ks = ranges[i]
+        for k in ks:
+            x, _, c, nth, a, b = _sampled_at(ctx, section, k, fwd)
+            ta, tl, tc = _bound_terms(ctx, section, k, fwd)
+            v, u = weigh(a, b)
+            v += (fwd_extra if fwd else bwd_extra)[c]
+            if v + t * (2 * u + ta * r + tl * rl + tc) < best or (v + t * (2 * u + ta * r + tl * rl + tc) == best
+                                                                 and x > at):
                 continue
-            held = p[2]
-            units = t * _tensors_at(pp, vpp, m, group, pp_rank, fwd, p[1], p[3], u,
-                                    lambda ch: _run_at(held, ch), receiving, overlap)
+            units = t * _tensors_at(pp, vpp, m, group, pp_rank, fwd, c, nth, u, _held_of(a, b, vpp, m, group),
+                                    receiving, overlap)
             if v + units > best or (v + units == best and x < at):
-                best, at, retained, probe = v + units, x, units, p
+                best, at, retained, probe = v + units, x, units, (fwd, c, a, b, nth)
     if at < 0:
         return None
-    return best, retained, (probe[0], probe[1], _expand(probe[2]), probe[3])
+    fwd, c, a, b, nth = probe
+    return best, retained, (fwd, c, _expand(_held_runs(a, b, vpp, m, group)), nth)
 
 
 def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int, combined: bool = False) -> int:
