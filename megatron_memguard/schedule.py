@@ -18,8 +18,11 @@ m x VPP x 2 passes (tests/test_schedule.py checks the samples against a replay o
 tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own schedule table;
 tests/test_schedule_p2p.py replays the tensors pass by pass). ``p2p_peak`` takes their first peak counting the
 tensors only at the samples whose bound (``p2p_units_bound``) can still win; for the schedules Megatron runs with
-whole groups of micro-batches, ``_steady_peak`` takes the same pass by steady-state periods. The combined 1F1B
-schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
+whole groups of micro-batches, ``_steady_peak`` takes the same pass by steady-state periods, elsewhere (a partial
+last group, no steady state) the samples are bounded stretch by stretch (``_p2p_ranges``) with their held counts as
+at most five pieces (``_held_sums``), never as VPP-long tuples. The combined 1F1B schedule's peak is taken from every
+pass (``walk_passes``, ``p2p_walk_peak``), its tensors kept as they change. Each costs O(m x VPP) per rank
+(tests/test_schedule_speed.py counts the work).
 """
 from __future__ import annotations
 
@@ -889,11 +892,13 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     """The first of p2p_probes with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] + t x units:
     (that value, t x units, the probe); None when t <= 0 (then the probes' own choice between equal passes stands).
 
-    With t > 0 that is the first sampled pass (p2p_passes) with the most: the value of a pass grows with its units,
-    so the first pass of a direction, chunk and held counts with the most units is its first with the largest value.
-    Units are counted only where they can still matter: the passes of one direction, chunk and held counts (one
-    held value) are taken by that value with the largest of their p2p_units_bound, the largest (then the earliest)
-    first, until it can no longer beat the best found; within them, only the passes whose own bound can."""
+    With t > 0 that is the first sampled pass (p2p_passes) with the most. Units are counted only where they can still
+    matter: the sampled passes of one direction in one stretch of _p2p_ranges are taken by the largest of their
+    p2p_units_bound (the held bytes linear along the stretch: at one of its ends), the largest (then the earliest)
+    first, until it can no longer beat the best found; within them, only the passes whose own bound can. The held
+    counts are read piece by piece (_held_sums); only the returned probe's are made a tuple. (Any order of the
+    passes gives the same first largest pass: a pass is passed over only when its bound cannot beat, or only tie
+    later than, the best found.)"""
     if t <= 0:
         return None
     got = _steady_peak(pp, vpp, m, group, pp_rank, receiving, overlap, sizes, fwd_extra, bwd_extra, t)
@@ -1005,7 +1010,8 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
       (overlap_p2p_comm), or it is deallocated after the step's send;
     - the backward's input (the local b_input_tensor) and its .grad live until the step returns, through its forward;
       the next input and output gradient are received after both passes.
-    Each probe's held counts are a tuple per chunk: cost O(m x VPP x VPP) (walk_passes gives the passes without them)."""
+    Each probe's held counts are a tuple per chunk: cost O(m x VPP x VPP); the estimator reads walk_passes (the same
+    passes without them, O(m x VPP)), the tests' replays this."""
     held = [0] * vpp
     out = []
     for fwd, c, nth, u in walk_passes(pp, vpp, m, group, pp_rank, receiving, overlap, combined):

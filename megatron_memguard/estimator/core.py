@@ -1022,7 +1022,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     t = p2p_tensor_bytes(L)
     bottom_at = None                        # the backward's bottom working set per chunk at the peak (None: acts')
     if combined:
-        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass)
+        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.walk_passes)
         best, retained, probe = p2p_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
                                               L.overlap_p2p_comm, True, tuple(sizes), tuple(fwd_extra),
                                               tuple(bwd_extra), t)
