@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from itertools import compress
-from operator import mul, not_
+from operator import mul, not_, sub
 
 
 # One probe: (forward?, chunk, micro-batches held per chunk at that pass, the pass's ordinal among the
@@ -140,7 +140,13 @@ def _in_flight(warm: int, total: int, combined: bool = False) -> int:
 def _left_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
     """The micro-batches each chunk still holds after the backwards of the first ``a`` positions: m less _counts(a),
     reversed (backwards run the chunks last first)."""
-    return _expand(_held_runs(m * vpp, a, vpp, m, group))
+    return _held(m * vpp, a, vpp, m, group)
+
+
+def _held(a: int, b: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
+    """The micro-batches each chunk holds after the forwards of the first ``a`` forward-table positions and the
+    backwards of the first ``b``: _counts(a) less _counts(b) reversed (a VPP-long tuple: the probe a peak returns)."""
+    return tuple(map(sub, _counts(a, vpp, m, group), reversed(_counts(b, vpp, m, group))))
 
 
 def _shape(a: int, vpp: int, m: int, group: int) -> tuple[int, int, int, int]:
@@ -160,14 +166,6 @@ def _shape(a: int, vpp: int, m: int, group: int) -> tuple[int, int, int, int]:
     if d >= vpp:
         return base + size, vpp, 0, 0
     return base + size, d, base + r, base
-
-
-def _pieces(a: int, vpp: int, m: int, group: int) -> list[tuple[int, int]]:
-    """_counts(a) as its runs of equal values, (value, length), in chunk order (lengths may be 0)."""
-    hi, d, mid, lo = _shape(a, vpp, m, group)
-    if d == vpp:
-        return [(hi, vpp)]
-    return [(hi, d), (mid, 1), (lo, vpp - d - 1)]
 
 
 def _held_of(a: int, b: int, vpp: int, m: int, group: int):
@@ -225,53 +223,6 @@ def _count_of(a: int, vpp: int, m: int, group: int, c: int) -> int:
     if d >= vpp or c < d:
         return base + size
     return base + r if c == d else base
-
-
-def _held_runs(a: int, b: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
-    """The micro-batches each chunk holds after the forwards of the first ``a`` forward-table positions and the
-    backwards of the first ``b`` (_counts(a) less _counts(b) reversed), as runs of equal values flattened
-    (value, length, value, length, ...), adjacent runs of the same value merged: at most five runs whatever VPP, so
-    the sampled passes are compared, hashed and summed without VPP-long tuples (_expand gives the tuple)."""
-    fa = [x for x in _pieces(a, vpp, m, group) if x[1]]
-    fb = [x for x in reversed(_pieces(b, vpp, m, group)) if x[1]]
-    out: list[int] = []
-    i = j = 0
-    va, na = fa[0]
-    vb, nb = fb[0]
-    while True:
-        n = na if na < nb else nb
-        v = va - vb
-        if out and out[-2] == v:
-            out[-1] += n
-        else:
-            out += (v, n)
-        na -= n
-        nb -= n
-        if not na:
-            i += 1
-            if i == len(fa):
-                return tuple(out)
-            va, na = fa[i]
-        if not nb:
-            j += 1
-            vb, nb = fb[j]
-
-
-def _expand(runs: tuple[int, ...]) -> tuple[int, ...]:
-    """The per-chunk tuple of _held_runs' runs."""
-    out: list[int] = []
-    for i in range(0, len(runs), 2):
-        out += [runs[i]] * runs[i + 1]
-    return tuple(out)
-
-
-def _run_at(runs: tuple[int, ...], c: int) -> int:
-    """Chunk c's value in _held_runs' runs."""
-    for i in range(1, len(runs), 2):
-        c -= runs[i]
-        if c < 0:
-            return runs[i - 1]
-    raise IndexError(c)
 
 
 def _table_position(vpp: int, m: int, group: int, chunk: int, nth: int) -> int:
@@ -396,7 +347,7 @@ def steady_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, k: int, fwd
     warm = _warmup(pp, vpp, group, pp_rank, m)
     if not 0 <= k < m * vpp - warm:
         return None
-    held = _expand(_held_runs(k + warm + 1, k, vpp, m, group))
+    held = _held(k + warm + 1, k, vpp, m, group)
     if fwd:
         cf = _chunk_at(vpp, m, group, k + warm)
         return (True, cf, held, _count_of(k + warm + 1, vpp, m, group, cf))
@@ -497,18 +448,16 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                overlap: bool) -> tuple[tuple[Probe, int, int, int, int, int], ...]:
     """The interleaved (not combined) schedule's passes sampled for the pipeline's own tensors, in schedule order,
     each as (probe, section, k, a, l, c): section 0, a warm-up forward of table position k; 1, a pass of steady pair
-    k; 2, a cool-down backward of position k; a, l, c: its p2p_units_bound's terms. (_p2p_ranges gives them as
-    ranges, _sampled_pass one by one: p2p_peak reads them so.)"""
+    k; 2, a cool-down backward of position k; a, l, c: its p2p_units_bound's terms (_bound_terms). p2p_peak reads
+    them stretch by stretch (_p2p_ranges, _sampled_at) without the held counts' tuples."""
     ctx = _sample_context(pp, vpp, m, group, pp_rank, overlap)
     out = []
     for section, ks in _p2p_ranges(pp, vpp, m, group, pp_rank, overlap):
         for k in ks:
-            if section == 1:
-                out.append(_sampled_pass(ctx, 1, k, True)[1:])
-                out.append(_sampled_pass(ctx, 1, k, False)[1:])
-            else:
-                out.append(_sampled_pass(ctx, section, k, not section)[1:])
-    return tuple([((p[0], p[1], _expand(p[2]), p[3]), *rest) for p, *rest in out])
+            for fwd in ((True, False) if section == 1 else (not section,)):
+                _, fwd, c, nth, a, b = _sampled_at(ctx, section, k, fwd)
+                out.append(((fwd, c, _held(a, b, vpp, m, group), nth), section, k, *_bound_terms(ctx, section, k, fwd)))
+    return tuple(out)
 
 
 @lru_cache(maxsize=512)
@@ -594,22 +543,10 @@ def _p2p_ranges(pp: int, vpp: int, m: int, group: int, pp_rank: int,
 
 @lru_cache(maxsize=512)
 def _sample_context(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple:
-    """What _sampled_pass reads of a schedule."""
+    """What _sampled_at and _bound_terms read of a schedule."""
     warm, _, cw, _, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)
     total = m * vpp
     return pp, vpp, m, group, pp_rank == 0, pp_rank == pp - 1, warm, total - warm, total, overlap, cw, yl
-
-
-def _sampled_pass(ctx: tuple, section: int, k: int, fwd: bool) -> tuple:
-    """One pass of p2p_passes: (its ordinal in the schedule, probe with the held counts as _held_runs' runs, section,
-    k, a, l, c)."""
-    return (*_sampled_probe(ctx, section, k, fwd), section, k, *_bound_terms(ctx, section, k, fwd))
-
-
-def _sampled_probe(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, tuple]:
-    """(The ordinal in the schedule, the probe with the held counts as _held_runs' runs) of a p2p_passes pass."""
-    x, fwd, c, nth, a, b = _sampled_at(ctx, section, k, fwd)
-    return x, (fwd, c, _held_runs(a, b, ctx[1], ctx[2], ctx[3]), nth)
 
 
 def _sampled_at(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, bool, int, int, int, int]:
@@ -921,7 +858,7 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
             return _held_sums(a, b, vpp, m, group, S, R)
     else:
         def weigh(a: int, b: int) -> tuple[int, int]:
-            held = _expand(_held_runs(a, b, vpp, m, group))
+            held = _held(a, b, vpp, m, group)
             return sum(map(mul, held, sizes)), sum(compress(receiving, map(not_, held)))
 
     # each stretch's passes of one direction bounded together: along a stretch the held bytes are linear in k and the
@@ -984,7 +921,7 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     if at < 0:
         return None
     fwd, c, a, b, nth = probe
-    return best, retained, (fwd, c, _expand(_held_runs(a, b, vpp, m, group)), nth)
+    return best, retained, (fwd, c, _held(a, b, vpp, m, group), nth)
 
 
 def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int, combined: bool = False) -> int:

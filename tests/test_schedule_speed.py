@@ -1,7 +1,7 @@
 """Issue vppspeed4: the interleaved schedule's costs that grew like VPP**2 (docs/testing.md, the hostile20 group of
 benchmarks/hostile_input.py): p2p_peak's sampled path with a partial last micro-batch group or without a steady state,
 and the combined 1F1B walk (--overlap-moe-expert-parallel-comm, p2p_walk_peak). Counted in work, not timed: the
-Python lines schedule.py runs (sys.settrace), the passes sampled, and the VPP-long tuples built (_expand, walk_held:
+Python lines schedule.py runs (sys.settrace), the passes sampled, and the VPP-long tuples built (_held, walk_held:
 one per peak, for the probe it returns). The peaks themselves are checked against the replay of megatron-core's
 schedule (tests/schedule_reference.py, tests/test_schedule_p2p.py's pipeline_tensors) on small schedules of the same
 two kinds."""
@@ -80,16 +80,16 @@ def test_sampled_peak_builds_one_vpp_long_tuple(monkeypatch, pp, m, group, rank)
     closed form (_held_sums), at most 5 pieces whatever VPP."""
     vpp = 1250
     made, sums = [0], [0]
-    expand, held_sums = schedule._expand, schedule._held_sums
+    held, held_sums = schedule._held, schedule._held_sums
 
-    def counted_expand(runs):
+    def counted_held(*a):
         made[0] += 1
-        return expand(runs)
+        return held(*a)
 
     def counted_sums(*a):
         sums[0] += 1
         return held_sums(*a)
-    monkeypatch.setattr(schedule, "_expand", counted_expand)
+    monkeypatch.setattr(schedule, "_held", counted_held)
     monkeypatch.setattr(schedule, "_held_sums", counted_sums)
     _clear()
     recv, sizes, fwd, bwd, t = _pipeline(vpp, rank)
