@@ -911,8 +911,8 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
             ta, tl, tc = _bound_terms(ctx, section, k, fwd)
             v, u = weigh(a, b)
             v += (fwd_extra if fwd else bwd_extra)[c]
-            if v + t * (2 * u + ta * r + tl * rl + tc) < best or (v + t * (2 * u + ta * r + tl * rl + tc) == best
-                                                                 and x > at):
+            most = v + t * (2 * u + ta * r + tl * rl + tc)        # (its p2p_units_bound)
+            if most < best or (most == best and x > at):
                 continue
             units = t * _tensors_at(pp, vpp, m, group, pp_rank, fwd, c, nth, u, _held_of(a, b, vpp, m, group),
                                     receiving, overlap)
