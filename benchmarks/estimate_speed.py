@@ -59,8 +59,9 @@ def _clear_caches() -> None:
                core._chunk_activations, core._state_terms, core._persistent_buffers,
                core.replicated_grad_allreduce_bytes, core._stage_shapes, core._stage_prep, core._moe_worst_inputs,
                core._moe_layer_buffers, overheads.dummy_wgrad_shapes, overheads.dummy_wgrad_bytes,
-               schedule.p2p_probes, schedule.p2p_passes, schedule._p2p_keys, schedule._lingering, schedule._received_for,
-               schedule._grad_received_for, schedule._counts_t, core._p2p_peak, partition.model_kind_runs, moe.layer_moe_activations, mla.layer_attention_items):
+               schedule.p2p_probes, schedule.p2p_passes, schedule._p2p_ranges, schedule._sample_context, schedule.walk_passes,
+               schedule._lingering, schedule._received_for,
+               schedule._grad_received_for, core._p2p_peak, core._combined_walk_peak, partition.model_kind_runs, moe.layer_moe_activations, mla.layer_attention_items):
         fn.cache_clear()
 
 

@@ -2232,7 +2232,7 @@ def hostile20_cases():
     above 30 runs 10-fold held-out errors and fewer bootstrap resamples), the interleaved schedule with a partial last
     group at PP 8 x VPP 1,250 (schedule.p2p_peak's sampled path), and memguard plan --top 50 of a 10,000-layer model
     whose listed layouts run every micro-batch in the warm-up (the first stage's warm-up and cool-down sampled whole).
-    The last two are still over 2 s (docs/testing.md)."""
+    The schedule's part of the last two is linear in VPP since vppspeed4 (docs/testing.md)."""
     import random
     from megatron_logs import args_of, print_args, report_memory
     from test_calibrate_time import iteration_line

@@ -18,8 +18,11 @@ m x VPP x 2 passes (tests/test_schedule.py checks the samples against a replay o
 tests/schedule_reference.py, which tests/test_ep_overlap.py checks against megatron-core's own schedule table;
 tests/test_schedule_p2p.py replays the tensors pass by pass). ``p2p_peak`` takes their first peak counting the
 tensors only at the samples whose bound (``p2p_units_bound``) can still win; for the schedules Megatron runs with
-whole groups of micro-batches, ``_steady_peak`` takes the same pass by steady-state periods. The combined 1F1B
-schedule's peak is taken from every pass (``p2p_every_pass``, ``p2p_walk_peak``).
+whole groups of micro-batches, ``_steady_peak`` takes the same pass by steady-state periods, elsewhere (a partial
+last group, no steady state) the samples are bounded stretch by stretch (``_p2p_ranges``) with their held counts as
+at most five pieces (``_held_sums``), never as VPP-long tuples. The combined 1F1B schedule's peak is taken from every
+pass (``walk_passes``, ``p2p_walk_peak``), its tensors kept as they change. Each costs O(m x VPP) per rank
+(tests/test_schedule_speed.py counts the work).
 """
 from __future__ import annotations
 
@@ -134,16 +137,20 @@ def _in_flight(warm: int, total: int, combined: bool = False) -> int:
     return warm + 1 if total > warm and not combined else warm
 
 
-@lru_cache(maxsize=8192)
-def _counts_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
-    """_counts as a tuple, cached: the pipeline tensors' probes ask for the same positions again and again."""
-    return tuple(_counts(a, vpp, m, group))
-
-
 def _left_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
     """The micro-batches each chunk still holds after the backwards of the first ``a`` positions: m less _counts(a),
-    reversed (backwards run the chunks last first), built by tuple repetition as _counts is (the first stage's
-    cool-down takes one per pass: a comprehension over the chunks made it cost about VPP**2)."""
+    reversed (backwards run the chunks last first)."""
+    return _held(m * vpp, a, vpp, m, group)
+
+
+def _held(a: int, b: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
+    """The micro-batches each chunk holds after the forwards of the first ``a`` forward-table positions and the
+    backwards of the first ``b``: _counts(a) less _counts(b) reversed (a VPP-long tuple: the probe a peak returns)."""
+    return tuple(map(sub, _counts(a, vpp, m, group), reversed(_counts(b, vpp, m, group))))
+
+
+def _shape(a: int, vpp: int, m: int, group: int) -> tuple[int, int, int, int]:
+    """_counts(a) as (hi, d, mid, lo): hi at the chunks before d, mid at chunk d, lo after it (d = VPP: all hi)."""
     P = vpp * group
     full = (m // group) * P
     if a <= full:
@@ -152,13 +159,70 @@ def _left_t(a: int, vpp: int, m: int, group: int) -> tuple[int, ...]:
     else:
         q = m - (m // group) * group
         if not q:
-            return (0,) * vpp
+            return m, vpp, 0, 0
         o = a - full
         base, size = m - q, q
     d, r = divmod(o, size)
     if d >= vpp:
-        return (m - base - size,) * vpp
-    return (m - base,) * (vpp - d - 1) + (m - base - r,) + (m - base - size,) * d
+        return base + size, vpp, 0, 0
+    return base + size, d, base + r, base
+
+
+def _held_of(a: int, b: int, vpp: int, m: int, group: int):
+    """Chunk c's held count after the forwards of the first ``a`` table positions and the backwards of the first
+    ``b`` (_counts(a)[c] less _counts(b)[VPP - 1 - c]), as a function of c."""
+    ha, da, ma, la = _shape(a, vpp, m, group)
+    hb, db, mb, lb = _shape(b, vpp, m, group)
+    eb = vpp - 1 - db                       # (the backwards' chunk order is the forwards' reversed)
+
+    def of(c: int) -> int:
+        return (ha if c < da else ma if c == da else la) - (lb if c < eb else mb if c == eb else hb)
+    return of
+
+
+def _held_sums(a: int, b: int, vpp: int, m: int, group: int, S: list[int], R: list[int]) -> tuple[int, int]:
+    """For the held counts of _held_of(a, b): (sum_c held_c x sizes[c], the sum of receiving over the chunks holding
+    none), from the prefix sums S of the sizes and R of the receiving counts, piece by piece (at most five)."""
+    ha, da, ma, la = _shape(a, vpp, m, group)
+    if not b:                               # (no backward yet: the forwards' pieces alone)
+        if da == vpp:
+            return ha * S[vpp], (R[vpp] if not ha else 0)
+        v = ha * S[da] + ma * (S[da + 1] - S[da]) + la * (S[vpp] - S[da + 1])
+        u = (0 if ha else R[da]) + (0 if ma else R[da + 1] - R[da]) + (0 if la else R[vpp] - R[da + 1])
+        return v, u
+    hb, db, mb, lb = _shape(b, vpp, m, group)
+    eb = vpp - 1 - db
+    v = u = x = 0
+    for y in sorted((da, da + 1, eb, eb + 1, vpp)):
+        if y > vpp:
+            y = vpp
+        if y > x:
+            h = (ha if x < da else ma if x == da else la) - (lb if x < eb else mb if x == eb else hb)
+            if h:
+                v += h * (S[y] - S[x])
+            else:
+                u += R[y] - R[x]
+            x = y
+    return v, u
+
+
+def _count_of(a: int, vpp: int, m: int, group: int, c: int) -> int:
+    """_counts(a)[c] without building the list."""
+    P = vpp * group
+    full = (m // group) * P
+    if a <= full:
+        j, o = divmod(a, P)
+        base, size = j * group, group
+    else:
+        q = m - (m // group) * group
+        if not q:
+            return m
+        o = a - full
+        base, size = m - q, q
+    d, r = divmod(o, size)
+    if d >= vpp or c < d:
+        return base + size
+    return base + r if c == d else base
 
 
 def _table_position(vpp: int, m: int, group: int, chunk: int, nth: int) -> int:
@@ -199,6 +263,17 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
       with ``overlap_p2p_comm`` (Megatron's default under VPP), the next forward's input already received
       (pp_post_forward), unless the pair is the last steady one."""
     fwd, c, held, nth = probe
+    recv = receiving.__getitem__
+    n = len(receiving)
+    idle = sum([recv(ch) for ch, h in enumerate(held) if h == 0 and ch < n])
+    return _tensors_at(pp, vpp, m, group, pp_rank, fwd, c, nth, idle, held.__getitem__, receiving, overlap)
+
+
+def _tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, fwd: bool, c: int, nth: int, idle: int,
+                held_of, receiving: tuple[int, ...], overlap: bool) -> int:
+    """p2p_tensors_at of the pass (fwd, c, nth) given the inputs its idle chunks received (``idle``: the sum of
+    receiving over the chunks holding no micro-batch) and its held counts as a function of the chunk (``held_of``):
+    no VPP-long tuple needed."""
     warm, lw, cw, nw, yw = _lingering(pp, vpp, m, group, pp_rank, overlap)
     total = m * vpp
     steady = total - warm
@@ -231,7 +306,7 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
 
     def units(fwd: bool, k: int, section: int) -> int:
         # k: the steady pair (section 1), the backward position (2) or the forward position (0)
-        n = sum(2 * recv(ch) for ch, h in enumerate(held) if h == 0)
+        n = 2 * idle
         if section == 0:
             return n + queued(k + 1, k)
         if section == 1:
@@ -240,12 +315,12 @@ def p2p_tensors_at(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: P
             n += queued(warm + k + 1, warm + k + (overlap and not fwd and k < steady - 1))
         y = k                               # the pass's backward position (the pair's for a steady forward)
         lingering = cw >= 0 and yw < y and recv(cw) and not (
-            held[cw] == 0 and (m if section == 2 else _counts_t(k + warm + 1, vpp, m, group)[cw]) == nw)
+            held_of(cw) == 0 and (m if section == 2 else _count_of(k + warm + 1, vpp, m, group, cw)) == nw)
         if lingering:
             n += 2 * recv(cw)
         if y >= 1:
             p = bwd_chunk(y - 1)
-            if held[p] != 0 and not (lingering and y - 1 == yw):
+            if held_of(p) != 0 and not (lingering and y - 1 == yw):
                 n += recv(p)
         # output gradients received ahead: a steady forward's include its pair's (counted in the backward's
         # working set once that backward runs)
@@ -272,13 +347,12 @@ def steady_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, k: int, fwd
     warm = _warmup(pp, vpp, group, pp_rank, m)
     if not 0 <= k < m * vpp - warm:
         return None
-    after = _counts_t(k + warm + 1, vpp, m, group)
-    held = tuple(map(sub, after, _counts_t(k, vpp, m, group)[::-1]))
+    held = _held(k + warm + 1, k, vpp, m, group)
     if fwd:
         cf = _chunk_at(vpp, m, group, k + warm)
-        return (True, cf, held, after[cf])
-    cb = vpp - 1 - _chunk_at(vpp, m, group, k)
-    return (False, cb, held, _counts_t(k, vpp, m, group)[::-1][cb] + 1)
+        return (True, cf, held, _count_of(k + warm + 1, vpp, m, group, cf))
+    c = _chunk_at(vpp, m, group, k)
+    return (False, vpp - 1 - c, held, _count_of(k, vpp, m, group, c) + 1)
 
 
 def steady_index(pp: int, vpp: int, m: int, group: int, pp_rank: int, probe: Probe) -> int:
@@ -308,7 +382,7 @@ def _grad_received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: i
     c = _chunk_at(vpp, m, group, x)         # the forward-table chunk of that position: backward chunk vpp - 1 - c
     if c == vpp - 1:                         # backward chunk 0 sends nothing back to this stage
         return -1
-    return _table_position(vpp, m, group, c + 1, _counts_t(x + 1, vpp, m, group)[c])
+    return _table_position(vpp, m, group, c + 1, _count_of(x + 1, vpp, m, group, c))
 
 
 @lru_cache(maxsize=1024)
@@ -322,7 +396,7 @@ def _lingering(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: boo
     if lw < 0:
         return warm, -1, -1, 0, total
     cw = _chunk_at(vpp, m, group, lw)
-    nw = _counts_t(lw + 1, vpp, m, group)[cw]
+    nw = _count_of(lw + 1, vpp, m, group, cw)
     return warm, lw, cw, nw, _table_position(vpp, m, group, vpp - 1 - cw, nw)
 
 
@@ -341,7 +415,7 @@ def _received_for(pp: int, vpp: int, m: int, group: int, pp_rank: int, s: int) -
     c = _chunk_at(vpp, m, group, s - pp + 1)
     if c == vpp - 1:
         return -1
-    return _table_position(vpp, m, group, c + 1, _counts_t(s - pp + 2, vpp, m, group)[c])
+    return _table_position(vpp, m, group, c + 1, _count_of(s - pp + 2, vpp, m, group, c))
 
 
 def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> int:
@@ -351,7 +425,7 @@ def lingering_backward(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> i
     if x < 0:
         return -1
     c = _chunk_at(vpp, m, group, x)
-    return _table_position(vpp, m, group, vpp - 1 - c, _counts_t(x + 1, vpp, m, group)[c])
+    return _table_position(vpp, m, group, vpp - 1 - c, _count_of(x + 1, vpp, m, group, c))
 
 @lru_cache(maxsize=512)
 def p2p_probes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...],
@@ -374,7 +448,26 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                overlap: bool) -> tuple[tuple[Probe, int, int, int, int, int], ...]:
     """The interleaved (not combined) schedule's passes sampled for the pipeline's own tensors, in schedule order,
     each as (probe, section, k, a, l, c): section 0, a warm-up forward of table position k; 1, a pass of steady pair
-    k; 2, a cool-down backward of position k; a, l, c: its p2p_units_bound's terms.
+    k; 2, a cool-down backward of position k; a, l, c: its p2p_units_bound's terms (_bound_terms). p2p_peak reads
+    them stretch by stretch (_p2p_ranges, _sampled_at) without the held counts' tuples."""
+    ctx = _sample_context(pp, vpp, m, group, pp_rank, overlap)
+    out = []
+    for section, ks in _p2p_ranges(pp, vpp, m, group, pp_rank, overlap):
+        for k in ks:
+            for fwd in ((True, False) if section == 1 else (not section,)):
+                _, fwd, c, nth, a, b = _sampled_at(ctx, section, k, fwd)
+                out.append(((fwd, c, _held(a, b, vpp, m, group), nth), section, k, *_bound_terms(ctx, section, k, fwd)))
+    return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def _p2p_ranges(pp: int, vpp: int, m: int, group: int, pp_rank: int,
+                overlap: bool) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The passes p2p_passes samples, in schedule order, by stretch: (section, the positions sampled in ascending
+    order) of a section (0: warm-up forwards of table positions; 1: both passes of steady pairs; 2: cool-down
+    backwards) within a stretch of one chunk (section 1: one forward chunk and one backward chunk), so that between
+    its first and last position the held counts move by one constant step and no chunk falls idle or starts: the held
+    bytes are linear in the position.
 
     Along one of _runs' runs the held bytes change evenly and the units stay the same but at its first two and
     last two passes and around the warm-up's last input's release (lingering_backward): those passes are
@@ -387,23 +480,41 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
     steady = total - warm
     P = vpp * group
     full = (m // group) * P
+    q = m - (m // group) * group
     yw = lingering_backward(pp, vpp, m, group, pp_rank) if overlap else -1
-    top = vpp - 1
-    made: dict[int, tuple] = {}             # steady pair -> (its chunks, held counts and ordinals)
-    out: dict[int, tuple] = {}              # pass ordinal -> (probe, section, k)
+    out: list[tuple[int, tuple[int, ...]]] = []
+    pairs: set[int] = set()                 # the steady pairs sampled
 
-    def near(k: int, n: int) -> set[int]:
-        return {j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}
+    def near(k: int, n: int) -> tuple[int, ...]:
+        return tuple(sorted({j for j in (k, k + 1, k + n - 2, k + n - 1, yw, yw + 1, yw + 2) if k <= j < k + n}))
+
+    def starts(x: int) -> bool:
+        # a table position whose chunk is not its predecessor's: groups of ``group`` in the full groups, of the
+        # partial group's q after them
+        return x % group == 0 if x < full else (x - full) % q == 0
+
+    def steady_stretches() -> None:
+        # the steady pairs sampled, split where a pair's forward or backward chunk changes (the copies a period on
+        # join other runs')
+        if not pairs:
+            return
+        ks = sorted(pairs)
+        pairs.clear()
+        now = [ks[0]]
+        for j in ks[1:]:
+            if any(starts(x + warm) or starts(x) for x in range(now[-1] + 1, j + 1)):
+                out.append((1, tuple(now)))
+                now = [j]
+            else:
+                now.append(j)
+        out.append((1, tuple(now)))
 
     for section, k, n, _cf, _cb in _runs(pp, vpp, m, group, pp_rank):
         if section == 0:
             # (a later stage's warm-up units are the idle chunks' pairs: the same along a run)
-            for x in (range(k, k + n) if pp_rank == 0 else {k, k + n - 1}):
-                held = _counts_t(x + 1, vpp, m, group)
-                c = _chunk_at(vpp, m, group, x)
-                out[x] = ((True, c, held, held[c]), 0, x)
+            out.append((0, tuple(range(k, k + n)) if pp_rank == 0 or n <= 2 else (k, k + n - 1)))
         elif section == 1:
-            js = near(k, n)
+            js = set(near(k, n))
             # near the last (partial) group the first stage's queued receives change pass by pass: every pair there
             js.update(range(max(k, full - group - pp - warm), k + n))
             if pp_rank in (0, pp - 1):
@@ -422,72 +533,75 @@ def p2p_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int,
                     for jj in (j + P, j + 2 * P) + (((yw + 1 - j) // P + 1) * P + j,) * (j <= yw + 1):
                         if jj < steady and jj + warm < full:
                             js.add(jj)
-            for j in sorted(js):            # steady_pass, both passes of the pair at once
-                prev = made.get(j - P) if j + warm < full else None
-                if prev is not None:
-                    # a period after a pair within the full groups: the same chunks and held counts, each chunk's
-                    # forwards and backwards ``group`` more (_counts)
-                    cf, cb, held, nf, nb = prev
-                    nf += group
-                    nb += group
-                else:
-                    after = _counts_t(j + warm + 1, vpp, m, group)
-                    before = _counts_t(j, vpp, m, group)[::-1]
-                    held = tuple(map(sub, after, before))
-                    cf = _chunk_at(vpp, m, group, j + warm)
-                    cb = top - _chunk_at(vpp, m, group, j)
-                    nf, nb = after[cf], before[cb] + 1
-                made[j] = (cf, cb, held, nf, nb)
-                out[warm + 2 * j] = ((True, cf, held, nf), 1, j)
-                out[warm + 2 * j + 1] = ((False, cb, held, nb), 1, j)
+            pairs |= js
         else:
-            for y in (range(k, k + n) if pp_rank in (0, pp - 1) else near(k, n)):
-                cb = vpp - 1 - _chunk_at(vpp, m, group, y)
-                held = _left_t(y, vpp, m, group)
-                out[warm + 2 * steady + (y - steady)] = ((False, cb, held, m - held[cb] + 1), 2, y)
-    # each pass's p2p_units_bound less its idle chunks' pairs, as a x max(receiving) + l x 2 x receiving[the warm-up's
-    # last input's chunk] + c: the terms of p2p_tensors_at, each at its largest (the pass's section and direction
-    # leave some out):
-    # - inputs queued: a later stage receives one, for the next position, only after a steady backward with
-    #   overlap_p2p_comm (the last steady one excepted); the first stage at most one per step of its window (group + 1);
-    # - the warm-up's last input only past its release (lingering_backward); the previous backward's gradient;
-    # - output gradients queued: an earlier stage than the last holds one before a steady forward (none before a
-    #   backward), the last stage at most one per step of its window (group + 1);
-    # - a steady backward's pair output.
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    cw, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)[2::2]
-    # (the first stage's receives and the last stage's gradient receives bring nothing in their first pp - 1 steps)
-    # (clamps to [0, group + 1] with conditionals: min/max calls cost more)
+            steady_stretches()              # (the steady pairs come before the cool-down)
+            out.append((2, tuple(range(k, k + n)) if pp_rank in (0, pp - 1) else near(k, n)))
+    steady_stretches()
+    return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def _sample_context(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple:
+    """What _sampled_at and _bound_terms read of a schedule."""
+    warm, _, cw, _, yl = _lingering(pp, vpp, m, group, pp_rank, overlap)
+    total = m * vpp
+    return pp, vpp, m, group, pp_rank == 0, pp_rank == pp - 1, warm, total - warm, total, overlap, cw, yl
+
+
+def _sampled_at(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, bool, int, int, int, int]:
+    """A p2p_passes pass as (its ordinal in the schedule, forward?, chunk, ordinal among its chunk's passes of its
+    direction, a, b): it holds the micro-batches of the first ``a`` forwards less the first ``b`` backwards."""
+    pp, vpp, m, group, first, last, warm, steady, total, overlap, cw, yl = ctx
+    if section == 0:
+        c = _chunk_at(vpp, m, group, k)
+        return k, True, c, _count_of(k + 1, vpp, m, group, c), k + 1, 0
+    if section == 2:
+        c = _chunk_at(vpp, m, group, k)
+        return warm + steady + k, False, vpp - 1 - c, _count_of(k, vpp, m, group, c) + 1, total, k
+    if fwd:
+        c = _chunk_at(vpp, m, group, k + warm)
+        return warm + 2 * k, True, c, _count_of(k + warm + 1, vpp, m, group, c), k + warm + 1, k
+    c = _chunk_at(vpp, m, group, k)
+    return warm + 2 * k + 1, False, vpp - 1 - c, _count_of(k, vpp, m, group, c) + 1, k + warm + 1, k
+
+
+def _bound_terms(ctx: tuple, section: int, k: int, fwd: bool) -> tuple[int, int, int]:
+    """The a, l, c of a p2p_passes pass: its p2p_units_bound less its idle chunks' pairs is a x max(receiving) + l x 2
+    x receiving[the warm-up's last input's chunk] + c, the terms of p2p_tensors_at, each at its largest (the pass's
+    section and direction leave some out):
+    - inputs queued: a later stage receives one, for the next position, only after a steady backward with
+      overlap_p2p_comm (the last steady one excepted); the first stage at most one per step of its window (group + 1);
+    - the warm-up's last input only past its release (lingering_backward); the previous backward's gradient;
+    - output gradients queued: an earlier stage than the last holds one before a steady forward (none before a
+      backward), the last stage at most one per step of its window (group + 1);
+    - a steady backward's pair output.
+    (The first stage's receives and the last stage's gradient receives bring nothing in their first pp - 1 steps.)
+    Along a range of _p2p_ranges each term grows with k, but a steady backward's a at the last steady pair."""
+    pp, vpp, m, group, first, last, warm, steady, total, overlap, cw, yl = ctx
     g1 = group + 1
-    passes = []
-    add = passes.append
-    for x in sorted(out):
-        p, section, k = out[x]
-        if section == 0:
-            if first:
-                a = k - pp + 1
-                add((p, 0, k, 0 if a < 0 else g1 if a > g1 else a, 0, 0))
-            else:
-                add((p, 0, k, 0, 0, 0))
-            continue
-        bwd1 = section == 1 and not p[0]
-        # (overlap_p2p_comm's receive after a steady backward, the last steady one excepted)
-        q = 1 if bwd1 and overlap and k < steady - 1 else 0
+    if section == 0:
         if first:
-            if section == 1:
-                a = warm + k + q - pp + 1
-                a = 0 if a < 0 else g1 if a > g1 else a
-            else:
-                a = 0
+            a = k - pp + 1
+            return 0 if a < 0 else g1 if a > g1 else a, 0, 0
+        return 0, 0, 0
+    bwd1 = section == 1 and not fwd
+    # (overlap_p2p_comm's receive after a steady backward, the last steady one excepted)
+    q = 1 if bwd1 and overlap and k < steady - 1 else 0
+    if first:
+        if section == 1:
+            a = warm + k + q - pp + 1
+            a = 0 if a < 0 else g1 if a > g1 else a
         else:
-            a = q
-        if last:
-            c = k - pp + 1
-            c = 0 if c < 0 else g1 if c > g1 else c
-        else:
-            c = 0 if bwd1 or section == 2 else 1
-        add((p, section, k, a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c + bwd1))
-    return tuple(passes)
+            a = 0
+    else:
+        a = q
+    if last:
+        c = k - pp + 1
+        c = 0 if c < 0 else g1 if c > g1 else c
+    else:
+        c = 0 if bwd1 or section == 2 else 1
+    return a + (k >= 1), 1 if cw >= 0 and yl < k else 0, c + bwd1
 
 
 def p2p_units_bound(entry: tuple, receiving: tuple[int, ...], lingering_chunk: int) -> int:
@@ -497,31 +611,6 @@ def p2p_units_bound(entry: tuple, receiving: tuple[int, ...], lingering_chunk: i
     r = max(receiving, default=0)
     rl = 2 * receiving[lingering_chunk] if 0 <= lingering_chunk < len(receiving) else 0
     return 2 * sum([x for h, x in zip(p[2], receiving) if not h]) + a * r + l * rl + c
-
-
-@lru_cache(maxsize=512)
-def _p2p_keys(pp: int, vpp: int, m: int, group: int, pp_rank: int, overlap: bool) -> tuple[tuple, ...]:
-    """p2p_passes by direction, chunk and held counts (the same held bytes and transient): (forward?, chunk, held,
-    the first pass's index, the largest a, l and c of its passes' p2p_units_bound terms, its passes as
-    (index, a, l, c) in schedule order, the micro-batches held, the chunks holding none)."""
-    keys: dict = {}
-    get = keys.get
-    for i, ((fwd, c, held, _), _s, _k, a, l, c0) in enumerate(p2p_passes(pp, vpp, m, group, pp_rank, overlap)):
-        key = (fwd, c, held)
-        got = get(key)
-        if got is None:
-            keys[key] = [fwd, c, held, i, a, l, c0, [(i, a, l, c0)]]
-            continue
-        # (conditionals: max() calls cost more)
-        if a > got[4]:
-            got[4] = a
-        if l > got[5]:
-            got[5] = l
-        if c0 > got[6]:
-            got[6] = c0
-        got[7].append((i, a, l, c0))
-    # (with each key its micro-batches held and chunks idle: p2p_peak's sums over the chunks alike)
-    return tuple([(*k[:7], tuple(k[7]), sum(k[2]), k[2].count(0)) for k in keys.values()])
 
 
 def _steady_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
@@ -740,65 +829,99 @@ def p2p_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tup
     """The first of p2p_probes with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] + t x units:
     (that value, t x units, the probe); None when t <= 0 (then the probes' own choice between equal passes stands).
 
-    With t > 0 that is the first sampled pass (p2p_passes) with the most: the value of a pass grows with its units,
-    so the first pass of a direction, chunk and held counts with the most units is its first with the largest value.
-    Units are counted only where they can still matter: the passes of one direction, chunk and held counts (one
-    held value) are taken by that value with the largest of their p2p_units_bound, the largest (then the earliest)
-    first, until it can no longer beat the best found; within them, only the passes whose own bound can."""
+    With t > 0 that is the first sampled pass (p2p_passes) with the most. Units are counted only where they can still
+    matter: the sampled passes of one direction in one stretch of _p2p_ranges are taken by the largest of their
+    p2p_units_bound (the held bytes linear along the stretch: at one of its ends), the largest (then the earliest)
+    first, until it can no longer beat the best found; within them, only the passes whose own bound can. The held
+    counts are read piece by piece (_held_sums); only the returned probe's are made a tuple. (Any order of the
+    passes gives the same first largest pass: a pass is passed over only when its bound cannot beat, or only tie
+    later than, the best found.)"""
     if t <= 0:
         return None
     got = _steady_peak(pp, vpp, m, group, pp_rank, receiving, overlap, sizes, fwd_extra, bwd_extra, t)
     if got is not None:
         return got
-    passes = p2p_passes(pp, vpp, m, group, pp_rank, overlap)
-    cw = _lingering(pp, vpp, m, group, pp_rank, overlap)[2]
+    ctx = _sample_context(pp, vpp, m, group, pp_rank, overlap)
+    cw = ctx[10]
     r = max(receiving, default=0)
     rl = 2 * receiving[cw] if 0 <= cw < len(receiving) else 0
+    if len(sizes) == vpp and len(receiving) == vpp:
+        # sum_c held_c x sizes[c] and the idle chunks' received inputs piece by piece of the held counts, from prefix
+        # sums (the same integers)
+        S = [0]
+        R = [0]
+        for x, y in zip(sizes, receiving):
+            S.append(S[-1] + x)
+            R.append(R[-1] + y)
+
+        def weigh(a: int, b: int) -> tuple[int, int]:
+            return _held_sums(a, b, vpp, m, group, S, R)
+    else:
+        def weigh(a: int, b: int) -> tuple[int, int]:
+            held = _held(a, b, vpp, m, group)
+            return sum(map(mul, held, sizes)), sum(compress(receiving, map(not_, held)))
+
+    # each stretch's passes of one direction bounded together: along a stretch the held bytes are linear in k and the
+    # idle chunks the same (_p2p_ranges), so their largest is at an end; the other terms at their largest there too
+    # (_bound_terms: at its last pass, at its last two for steady backwards), unless a receiving count is negative:
+    # then taken pass by pass
+    monotone = r >= 0 and rl >= 0
+    linear = len(sizes) == vpp
     scored = []
     add = scored.append
-    keys = _p2p_keys(pp, vpp, m, group, pp_rank, overlap)
-    s0 = max(sizes, key=sizes.count, default=0)
-    ds = [(x, d - s0) for x, d in enumerate(sizes) if d != s0]
-    if len(sizes) == vpp and len(receiving) == vpp and len(ds) <= 4:
-        # sum_c held_c x sizes[c] as the most common size x the micro-batches held plus the other chunks' differences
-        # (the same integers; a pipeline's chunks are mostly alike), likewise the idle chunks' received inputs from
-        # their count
-        r0 = max(receiving, key=receiving.count)
-        dr = [(x, d - r0) for x, d in enumerate(receiving) if d != r0]
-        for fwd, c, held, i0, a, l, c0, members, n, idle in keys:
-            v = s0 * n + (fwd_extra[c] if fwd else bwd_extra[c])
-            for x, d in ds:
-                v += d * held[x]
-            if idle:                        # (p2p_units_bound's idle chunks' pairs, inline)
-                u = r0 * idle
-                for x, d in dr:
-                    if not held[x]:
-                        u += d
-                v_idle = v + t * 2 * u
+    for i, (section, ks) in enumerate(_p2p_ranges(pp, vpp, m, group, pp_rank, overlap)):
+        k0, k1 = ks[0], ks[-1]
+        x0, _, c0, _, a, b = _sampled_at(ctx, section, k0, True)
+        v, u = weigh(a, b)
+        top = v + t * 2 * u
+        if k1 > k0:
+            # the other end: a step adds a micro-batch of the forward chunk and releases one of the backward chunk
+            if not linear:
+                v, u = weigh(*_sampled_at(ctx, section, k1, True)[4:])
+            elif section == 0:
+                v += (k1 - k0) * sizes[c0]
             else:
-                v_idle = v
-            add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
-    else:
-        for fwd, c, held, i0, a, l, c0, members, _n, idle in keys:
-            v = sum(map(mul, held, sizes)) + (fwd_extra[c] if fwd else bwd_extra[c])
-            v_idle = v + t * 2 * sum(compress(receiving, map(not_, held))) if idle else v
-            add((-v_idle - t * (a * r + l * rl + c0), i0, v, v_idle, members))
+                cb = vpp - 1 - _chunk_at(vpp, m, group, k0)
+                v += (k1 - k0) * ((sizes[c0] if section == 1 else 0) - sizes[cb])
+            if v + t * 2 * u > top:
+                top = v + t * 2 * u
+        for fwd in ((True, False) if section == 1 else (not section,)):
+            if not fwd and section == 1:
+                x0 += 1
+                c0 = vpp - 1 - _chunk_at(vpp, m, group, k0)
+            if monotone:
+                a, l, c = _bound_terms(ctx, section, k1, fwd)
+                more = a * r + l * rl + c
+                if k1 > k0 and section == 1 and not fwd:
+                    a2, l2, c2 = _bound_terms(ctx, section, ks[-2], fwd)
+                    more = (a if a > a2 else a2) * r + (l if l > l2 else l2) * rl + (c if c > c2 else c2)
+            else:
+                more = max([a * r + l * rl + c for a, l, c in (_bound_terms(ctx, section, k, fwd) for k in ks)])
+            add((-(top + (fwd_extra if fwd else bwd_extra)[c0] + t * more), x0, i, fwd))
     scored.sort()
-    best, at, retained = -1, -1, 0
-    for bound, i0, v, v_idle, members in scored:
+    best, at, retained, probe = -1, -1, 0, None
+    ranges = _p2p_ranges(pp, vpp, m, group, pp_rank, overlap)
+    for bound, x0, i, fwd in scored:
         # (sorted by bound, then schedule order: passes that can at most tie with an earlier best cannot win)
-        if -bound < best or (-bound == best and i0 > at):
+        if -bound < best or (-bound == best and x0 > at):
             break
-        for i, a, l, c0 in members:
-            b = v_idle + t * (a * r + l * rl + c0)
-            if b < best or (b == best and i > at):
+        section, ks = ranges[i]
+        for k in ks:
+            x, _, c, nth, a, b = _sampled_at(ctx, section, k, fwd)
+            ta, tl, tc = _bound_terms(ctx, section, k, fwd)
+            v, u = weigh(a, b)
+            v += (fwd_extra if fwd else bwd_extra)[c]
+            most = v + t * (2 * u + ta * r + tl * rl + tc)        # (its p2p_units_bound)
+            if most < best or (most == best and x > at):
                 continue
-            u = t * p2p_tensors_at(pp, vpp, m, group, pp_rank, passes[i][0], receiving, overlap)
-            if v + u > best or (v + u == best and i < at):
-                best, at, retained = v + u, i, u
+            units = t * _tensors_at(pp, vpp, m, group, pp_rank, fwd, c, nth, u, _held_of(a, b, vpp, m, group),
+                                    receiving, overlap)
+            if v + units > best or (v + units == best and x < at):
+                best, at, retained, probe = v + units, x, units, (fwd, c, a, b, nth)
     if at < 0:
         return None
-    return best, retained, passes[at][0]
+    fwd, c, a, b, nth = probe
+    return best, retained, (fwd, c, _held(a, b, vpp, m, group), nth)
 
 
 def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int, combined: bool = False) -> int:
@@ -806,7 +929,6 @@ def peak_in_flight(pp: int, vpp: int, m: int, group: int, pp_rank: int, combined
     return _in_flight(_warmup(pp, vpp, group, pp_rank, m, combined), m * vpp, combined)
 
 
-@lru_cache(maxsize=256)
 def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
                    combined: bool = False) -> tuple[tuple[Probe, int], ...]:
     """Every pass of one rank's interleaved schedule, in order, with the pipeline's own activation-sized tensors live
@@ -825,7 +947,36 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
       (overlap_p2p_comm), or it is deallocated after the step's send;
     - the backward's input (the local b_input_tensor) and its .grad live until the step returns, through its forward;
       the next input and output gradient are received after both passes.
-    Cost O(m x VPP x VPP) per rank (cached per schedule shape)."""
+    Each probe's held counts are a tuple per chunk: cost O(m x VPP x VPP); the estimator reads walk_passes (the same
+    passes without them, O(m x VPP)), the tests' replays this."""
+    held = [0] * vpp
+    out = []
+    for fwd, c, nth, u in walk_passes(pp, vpp, m, group, pp_rank, receiving, overlap, combined):
+        if fwd:
+            held[c] += 1
+            out.append(((True, c, tuple(held), nth), u))
+        else:
+            out.append(((False, c, tuple(held), nth), u))
+            held[c] -= 1
+    return tuple(out)
+
+
+def walk_held(walk: tuple[tuple[bool, int, int, int], ...], vpp: int, i: int) -> tuple[int, ...]:
+    """The held counts per chunk at pass ``i`` of walk_passes' passes (p2p_every_pass' probe's)."""
+    held = [0] * vpp
+    for fwd, c, _, _ in walk[:i]:
+        held[c] += 1 if fwd else -1
+    if walk[i][0]:
+        held[walk[i][1]] += 1
+    return tuple(held)
+
+
+@lru_cache(maxsize=256)
+def walk_passes(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: tuple[int, ...], overlap: bool,
+          combined: bool = False) -> tuple[tuple[bool, int, int, int], ...]:
+    """p2p_every_pass' passes as (forward?, chunk, ordinal, units), without the held counts: each pass's tensors
+    kept up to date as the walk goes (a chunk's TransformerBlock pair changes only at its own passes), so that the
+    cost is O(m x VPP) per rank (cached per schedule shape)."""
     total = m * vpp
     warm = _warmup(pp, vpp, group, pp_rank, m, combined)
     steady = total - warm
@@ -840,54 +991,74 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
     top = vpp - 1
     # the forward position of backward position y's micro-batch: chunk top - chunk[y], ordinal nth[y]
     fpos = [_table_position(vpp, m, group, top - chunk[y], nth[y]) for y in range(total)]
+    fdone = [0] * vpp
 
     queue: set[int] = set()                 # forward positions received ahead, not yet forwarded
     block = [-1] * vpp                      # TransformerBlock.input_tensor per chunk (-1: the previous iteration's)
-    held = [0] * vpp
-    fdone = [0] * vpp
     bdone = [0] * vpp
     grads: set[int] = set()                 # backward positions whose output gradient is received, not yet used
     lg = wi = sl = -1                       # the loop's input gradient, the warm-up's last receive, the step's input
     out_alive = False
-    out: list[tuple[Probe, int]] = []
+    out: list[tuple[bool, int, int, int]] = []
     add = out.append
+    # the received inputs queued, and the chunks whose TransformerBlock pair (input and gradient) is live: a receiving
+    # chunk whose block input is the previous iteration's or done; both sums kept as they change
+    paired = [bool(r) for r in recv]
+    sums = [0, 2 * sum([r for r in recv if r])]
 
     def done(x: int) -> bool:
         return nth[x] <= bdone[chunk[x]]
 
+    def refresh(c: int) -> None:
+        x = block[c]
+        now = bool(recv[c]) and (x < 0 or nth[x] <= bdone[c])
+        if now != paired[c]:
+            paired[c] = now
+            sums[1] += 2 * recv[c] if now else -2 * recv[c]
+
+    def enqueue(x: int) -> None:
+        if x not in queue:
+            queue.add(x)
+            sums[0] += recv[chunk[x]]
+
+    def covered(x: int) -> bool:
+        # a position whose input and gradient a chunk's pair counts
+        c = chunk[x]
+        return paired[c] and block[c] == x
+
     def units(cur: int) -> int:
         # cur: the backward position of a backward pass (its output gradient is in its working set), -1 for a forward
-        u = sum([recv[chunk[x]] for x in queue])
-        covered = set()                     # positions whose input and gradient a chunk's pair counts
-        for c in range(vpp):
-            x = block[c]
-            if recv[c] and (x < 0 or done(x)):
-                u += 2 * recv[c]
-                covered.add(x)
+        u = sums[0] + sums[1]
         extra = set()                       # (kind, position) of the other references, each tensor once
-        if lg >= 0 and lg not in covered:
+        if lg >= 0 and not covered(lg):
             extra.add((1, lg))
         for x in (wi, sl):
-            if x >= 0 and x not in covered and done(x):
+            if x >= 0 and not covered(x) and done(x):
                 extra.add((0, x))
                 extra.add((1, x))
-        u += sum([recv[chunk[x]] for _, x in extra])
+        if extra:
+            u += sum([recv[chunk[x]] for _, x in extra])
         return u + out_alive + len(grads) - (cur in grads)
+
+    def set_block(c: int, x: int) -> None:
+        block[c] = x
+        refresh(c)
 
     def forward(x: int) -> None:
         c = chunk[x]
-        queue.discard(x)
-        held[c] += 1
+        if x in queue:
+            queue.discard(x)
+            sums[0] -= recv[c]
         fdone[c] += 1
         if recv[c]:
-            block[c] = x
-        add(((True, c, tuple(held), fdone[c]), units(-1)))
+            set_block(c, x)
+        add((True, c, fdone[c], units(-1)))
 
     def backward(y: int) -> int:
         b = top - chunk[y]
-        add(((False, b, tuple(held), bdone[b] + 1), units(y)))
-        held[b] -= 1
+        add((False, b, bdone[b] + 1, units(y)))
         bdone[b] += 1
+        refresh(b)
         grads.discard(y)
         return fpos[y] if recv[b] else -1
 
@@ -895,7 +1066,7 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
         forward(x)
         r = _received_for(pp, vpp, m, group, pp_rank, x)
         if r >= 0:
-            queue.add(r)
+            enqueue(r)
             if x == warm - 1 and steady > 0 and overlap:
                 wi = r
         if x == warm - 1 and steady > 0 and not last:
@@ -904,7 +1075,7 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
         x = warm + k
         if combined:
             if recv[chunk[x]]:
-                block[chunk[x]] = x         # set_input_tensor before the backward
+                set_block(chunk[x], x)      # set_input_tensor before the backward
             sl = backward(k)
             forward(x)
             lg, sl = sl, -1
@@ -916,14 +1087,14 @@ def p2p_every_pass(pp: int, vpp: int, m: int, group: int, pp_rank: int, receivin
             if overlap and k != steady - 1:
                 r = _received_for(pp, vpp, m, group, pp_rank, x)
                 if r >= 0:
-                    queue.add(r)
+                    enqueue(r)
             lg = backward(k)
             if not overlap or k == steady - 1:
                 out_alive = False
         if (combined or not overlap) and k != steady - 1:
             r = _received_for(pp, vpp, m, group, pp_rank, x)
             if r >= 0:
-                queue.add(r)
+                enqueue(r)
         g = _grad_received_for(pp, vpp, m, group, pp_rank, k)
         if g >= 0:
             grads.add(g)
@@ -940,9 +1111,32 @@ def p2p_walk_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving
                   t: int) -> tuple[int, int, Probe]:
     """The first pass of p2p_every_pass with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] +
     t x units: (that value, t x units, its probe)."""
-    best, retained, probe = -1, 0, None
-    for p, u in p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, combined):
-        v = sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_extra)[p[1]] + t * u
-        if v > best or probe is None:
-            best, retained, probe = v, t * u, p
-    return best, retained, probe
+    walk = walk_passes(pp, vpp, m, group, pp_rank, receiving, overlap, combined)
+    best, retained, i, _ = walk_peak(walk, vpp, sizes, fwd_extra, bwd_extra, t)
+    fwd, c, nth, _ = walk[i]
+    return best, retained, (fwd, c, walk_held(walk, vpp, i), nth)
+
+
+def walk_peak(walk: tuple[tuple[bool, int, int, int], ...], vpp: int, sizes: tuple[int, ...],
+              fwd_extra: tuple[int, ...], bwd_extra: tuple[int, ...], t: int,
+              bwd_alone: tuple[int, ...] | None = None) -> tuple[int, int, int, bool]:
+    """The first of walk_passes' passes with the most sum_c held_c * sizes[c] + (fwd_extra or bwd_extra)[chunk] + t x
+    units, the held bytes kept as the walk goes: (that value, t x units, its index, whether it is a backward that no
+    forward follows in the same step). With ``bwd_alone``, such backwards (the last pass, or one before a backward)
+    take it instead of ``bwd_extra``."""
+    sizes = tuple(sizes[:vpp]) + (0,) * (vpp - len(sizes))     # (chunks without a size hold nothing)
+    best, retained, at, solo = -1, 0, -1, False
+    h = 0
+    last = len(walk) - 1
+    for i, (fwd, c, _, u) in enumerate(walk):
+        if fwd:
+            h += sizes[c]
+            v = h + fwd_extra[c] + t * u
+            alone = False
+        else:
+            alone = bwd_alone is not None and (i == last or not walk[i + 1][0])
+            v = h + (bwd_alone if alone else bwd_extra)[c] + t * u
+            h -= sizes[c]
+        if v > best or at < 0:
+            best, retained, at, solo = v, t * u, i, alone
+    return best, retained, at, solo

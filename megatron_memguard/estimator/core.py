@@ -22,7 +22,7 @@ from ..layout import Chunk, Layout
 from ..partition import (DSA_MIXERS, MIXER_ATTENTION, MIXER_DSA, MIXER_DSA_SHARED, MIXER_GDN, MIXER_LINEAR, MIXER_MAMBA, MIXER_MLA, MIXER_NONE, MLP_DENSE, MLP_LINEAR,
                          MLP_MOE, MLP_NONE, LayerKind, after_mtp, mixed_mixers, model_kind_runs, uniform_kind)
 from ..units import format_bytes
-from ..schedule import p2p_every_pass, p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight
+from ..schedule import p2p_peak, p2p_probes, p2p_walk_peak, peak_in_flight, walk_held, walk_passes, walk_peak
 from .activations import LayerActivations, attention_kind, layer_activations, shapes
 from .ddp_extras import fp32_local_accumulation_numel, rs_fp32_accumulation_bytes
 from .fsdp_layout import fsdp_enabled, fsdp_stage_terms, fsdp_window_detail, split_fsdp_transients
@@ -1010,9 +1010,10 @@ def _runs_alone(pp: int, vpp: int, m: int, group: int, pp_rank: int, receiving: 
                 probe: tuple) -> bool:
     """Whether the combined 1F1B schedule's backward ``probe`` has no forward after it in the same step (a cool-down
     backward, or any when the warm-up takes every forward)."""
-    passes = p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, True)
-    i = next(i for i, (p, _) in enumerate(passes) if p == probe)
-    return i == len(passes) - 1 or not passes[i + 1][0][0]
+    passes = walk_passes(pp, vpp, m, group, pp_rank, receiving, overlap, True)
+    # (a pass is its direction, chunk and ordinal: the held counts follow)
+    i = next(i for i, p in enumerate(passes) if p[:3] == (probe[0], probe[1], probe[3]))
+    return i == len(passes) - 1 or not passes[i + 1][0]
 
 
 @lru_cache(maxsize=1024)
@@ -1023,16 +1024,10 @@ def _combined_walk_peak(pp: int, vpp: int, m: int, group: int, pp_rank: int, rec
     when the warm-up takes every forward) given ``bwd_alone`` instead of ``bwd_extra``: (the first pass with the
     most held bytes + transient + pipeline tensors, the pipeline tensors' bytes, its probe, whether it is such a
     backward)."""
-    passes = p2p_every_pass(pp, vpp, m, group, pp_rank, receiving, overlap, True)
-    best, retained, probe, solo = -1, 0, None, False
-    last = len(passes) - 1
-    for i, (p, u) in enumerate(passes):
-        alone = not p[0] and (i == last or not passes[i + 1][0][0])
-        v = (sum(map(mul, p[2], sizes)) + (fwd_extra if p[0] else bwd_alone if alone else bwd_extra)[p[1]]
-             + t * u)
-        if v > best or probe is None:
-            best, retained, probe, solo = v, t * u, p, alone
-    return best, retained, probe, solo
+    walk = walk_passes(pp, vpp, m, group, pp_rank, receiving, overlap, True)
+    best, retained, i, solo = walk_peak(walk, vpp, sizes, fwd_extra, bwd_extra, t, bwd_alone)
+    fwd, c, nth, _ = walk[i]
+    return best, retained, (fwd, c, walk_held(walk, vpp, i), nth), solo
 
 
 @lru_cache(maxsize=1024)
@@ -1068,7 +1063,7 @@ def _simulate(L: Layout, pp_rank: int, acts: tuple[ChunkActivations, ...] | list
     t = p2p_tensor_bytes(L)
     bottom_at = None                        # the backward's bottom working set per chunk at the peak (None: acts')
     if combined:
-        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.p2p_every_pass)
+        # the combined 1F1B schedule's passes walked one by one with its own tensors (schedule.walk_passes)
         best, retained, probe = p2p_walk_peak(L.pp, L.vpp, L.num_microbatches, group, pp_rank, receiving,
                                               L.overlap_p2p_comm, True, tuple(sizes), tuple(fwd_extra),
                                               tuple(bwd_extra), t)
