@@ -208,21 +208,8 @@ def _held_sums(a: int, b: int, vpp: int, m: int, group: int, S: list[int], R: li
 
 def _count_of(a: int, vpp: int, m: int, group: int, c: int) -> int:
     """_counts(a)[c] without building the list."""
-    P = vpp * group
-    full = (m // group) * P
-    if a <= full:
-        j, o = divmod(a, P)
-        base, size = j * group, group
-    else:
-        q = m - (m // group) * group
-        if not q:
-            return m
-        o = a - full
-        base, size = m - q, q
-    d, r = divmod(o, size)
-    if d >= vpp or c < d:
-        return base + size
-    return base + r if c == d else base
+    hi, d, mid, lo = _shape(a, vpp, m, group)
+    return hi if c < d else mid if c == d else lo
 
 
 def _table_position(vpp: int, m: int, group: int, chunk: int, nth: int) -> int:
