@@ -801,6 +801,7 @@ def _dsa_topk_holder(L: Layout, runs: tuple[tuple[LayerKind, int], ...], mtp_her
     return _dsa.topk_holder_bytes(L, n) if n else 0
 
 
+@lru_cache(maxsize=1024)
 def _persistent_buffers(L: Layout, last: bool, receiving: int, stage_runs: tuple = (), mtp_here: bool | None = None,
                         received: int | None = None, input_folds: tuple[int, ...] = (),
                         moe_first_received: int = 0, batch_chunks: tuple[bool, ...] = ()) -> tuple[BufferRow, ...]:
