@@ -41,24 +41,12 @@ def _warmup(pp: int, vpp: int, group: int, pp_rank: int, m: int, combined: bool 
 
 
 def _counts(a: int, vpp: int, m: int, group: int) -> list[int]:
-    """Forwards of each chunk among the first ``a`` positions of the forward table."""
-    P = vpp * group
-    full = (m // group) * P
-    # the chunks before the partial period's current one have their whole share, the later ones none (built with
-    # list repetition: a comprehension over the chunks costs more at many virtual stages)
-    if a <= full:
-        j, o = divmod(a, P)
-        base, size = j * group, group
-    else:
-        q = m - (m // group) * group
-        if not q:                           # past the last full group: every micro-batch
-            return [m] * vpp
-        o = a - full
-        base, size = m - q, q
-    d, r = divmod(o, size)
-    if d >= vpp:                            # the last position: every micro-batch
-        return [base + size] * vpp
-    return [base + size] * d + [base + r] + [base] * (vpp - d - 1)
+    """Forwards of each chunk among the first ``a`` positions of the forward table (built with list repetition from
+    _shape: a comprehension over the chunks costs more at many virtual stages)."""
+    hi, d, mid, lo = _shape(a, vpp, m, group)
+    if d >= vpp:                            # past the last full group, or the last position: every micro-batch
+        return [hi] * vpp
+    return [hi] * d + [mid] + [lo] * (vpp - d - 1)
 
 
 def _runs(pp: int, vpp: int, m: int, group: int, pp_rank: int) -> list[tuple[int, int, int, int, int]]:
