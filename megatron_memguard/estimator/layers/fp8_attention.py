@@ -281,9 +281,7 @@ def fp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mixe
         fwd = ((names, kv1 + combine + a2a_in), (names, kv1 + qkv8 + KV + stats + correction + a2a_q))
         if a2a > 1:
             fwd = ((names, kv1 + a2a_peak((q, kv1, kv1), True)),) + fwd
-        bwd = tuple((rel, w + kept + ring_bwd - bf16 if i == core else w)
-                    for i, (rel, w) in enumerate(mixer.bwd_steps))
-        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+        return _replayed_at(mixer._replace(fwd_steps=fwd + tuple(rest)), core, kept + ring_bwd - bf16)
     dropped = {n: saved[n] for n in _BF16_RING_INPUTS if n in saved}
     new: dict[str, int] = {}
     for name, b in saved.items():
@@ -403,9 +401,7 @@ def fp8_all_gather_attention(L: Layout, mixer: MixerActivations) -> MixerActivat
         kept = qkv8 + stats + e * Q + (out8 if delayed else 0)
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
         fwd = ((names, kv1 + combine), (names, kv1 + qkv8 + max(gather_peak, fwd_steps, fwd_end)))
-        bwd = tuple((rel, w + kept + ag_bwd - bf16 if i == core else w)
-                    for i, (rel, w) in enumerate(mixer.bwd_steps))
-        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+        return _replayed_at(mixer._replace(fwd_steps=fwd + tuple(rest)), core, kept + ag_bwd - bf16)
     dropped = {n: saved[n] for n in _BF16_RING_INPUTS if n in saved}
     new: dict[str, int] = {}
     for name, b in saved.items():
@@ -504,9 +500,7 @@ def fp8_a2a_attention(L: Layout, mixer: MixerActivations) -> MixerActivations:
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
         fwd = ((names, kv1 + combine),
                (names, kv1 + max(qkv_a2a, qkv8 + fp8_qkv + n_stats * stats + saved_out + out_a2a)))
-        bwd = tuple((rel, w + kept + a2a_bwd - bf16 if i == core else w)
-                    for i, (rel, w) in enumerate(mixer.bwd_steps))
-        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+        return _replayed_at(mixer._replace(fwd_steps=fwd + tuple(rest)), core, kept + a2a_bwd - bf16)
     dropped = {n: saved[n] for n in _BF16_RING_INPUTS if n in saved}
     new: dict[str, int] = {}
     for name, b in saved.items():
@@ -733,12 +727,10 @@ def mxfp8_ring_attention(L: Layout, mixer: MixerActivations, a2a: int = 1) -> Mi
         # ring's backward
         kept = e * KV + stats + 2 * e * Q + (q if a2a > 1 else 0)
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
-        bwd = tuple((rel, w + kept + ring_bwd - bf16 if i == core else w)
-                    for i, (rel, w) in enumerate(mixer.bwd_steps))
         fwd = ((names, kv1 + extra + ring_fwd),)
         if a2a > 1:
             fwd = ((names, kv1 + a2a_peak((q, kv1, kv1), True)),) + fwd
-        return mixer._replace(fwd_steps=fwd + tuple(rest), bwd_steps=bwd)
+        return _replayed_at(mixer._replace(fwd_steps=fwd + tuple(rest)), core, kept + ring_bwd - bf16)
     new = dict(saved)
     new["cp_a2a_attention_output"] = e * Q             # out_part (counted in the forward's end while made)
     fwd = ((names | {"cp_a2a_attention_output"}, kv1 + extra + ring_fwd),)
@@ -810,10 +802,8 @@ def mxfp8_all_gather(L: Layout, mixer: MixerActivations) -> MixerActivations:
         # through the function's backward
         kept = kv1 + stats + e * Q
         bf16 = bf16_ring_bwd + 2 * kv1 + stats + q       # attention_items' recompute step under CP
-        bwd = tuple((rel, w + kept + ag_bwd - bf16 if i == core else w)
-                    for i, (rel, w) in enumerate(mixer.bwd_steps))
-        return mixer._replace(fwd_steps=((names, kv1 + max(gather_peak, fwd_steps, fwd_end)),) + tuple(rest),
-                              bwd_steps=bwd)
+        return _replayed_at(mixer._replace(fwd_steps=((names, kv1 + max(gather_peak, fwd_steps, fwd_end)),) + tuple(rest)),
+                            core, kept + ag_bwd - bf16)
     # (v's contiguous copy is the saved v: cp_kv_buffer's bytes)
     fwd = ((names, max(gather_peak, fwd_steps, fwd_end)),)
     bwd = tuple((rel, w + ag_bwd - bf16_ring_bwd if i == core else w) for i, (rel, w) in enumerate(mixer.bwd_steps))
